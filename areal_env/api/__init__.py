@@ -1,0 +1,1 @@
+"""Data types and interfaces only: nothing here imports torch or starts anything."""

@@ -1,0 +1,487 @@
+"""Dataclass configuration, loaded from YAML with dotted command-line overrides.
+
+``load_config(ExperimentConfig, "cfg.yaml", ["rollout.n_samples=8"])`` builds the nested dataclasses,
+converts and validates every value, and raises ``ConfigError`` naming the bad key and value (an
+unknown key lists the valid ones). Each section owns its ``validate()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from areal_env.api.io import GenerationConfig
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how."""
+
+    path: str = "smollm2-135m-instruct"
+    """A known model name (see ``areal_env.engine.models``) or a local HF folder."""
+    dtype: str = "auto"
+    """auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    cache_dir: str | None = None
+    """Where converted models live (default: $AREAL_ENV_CACHE or ~/.cache/areal_env)."""
+    max_context_len: int | None = None
+    """Cap on prompt + completion tokens (default: the model's own limit)."""
+    gradient_checkpointing: bool = True
+    num_threads: int | None = None
+    """torch intra-op threads on CPU (default: torch's choice)."""
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"model.dtype={self.dtype!r} is invalid; valid: auto, float32, bfloat16, float16"
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(
+                f"model.device={self.device!r} is invalid; valid: auto, cpu, cuda[:N]"
+            )
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ConfigError(f"model.max_context_len={self.max_context_len!r} must be >= 2")
+
+
+@dataclass
+class SGLangConfig:
+    """How to launch (or reach) SGLang servers when ``engine.backend`` is ``sglang``."""
+
+    addresses: list[str] = field(default_factory=list)
+    """Already-running servers (host:port). Empty = launch ``num_servers`` ourselves."""
+    num_servers: int = 1
+    tp_size: int = 1
+    base_port: int = 30000
+    host: str = "127.0.0.1"
+    mem_fraction_static: float | None = None
+    extra_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    startup_timeout: float = 600.0
+
+    def validate(self) -> None:
+        if self.num_servers < 1:
+            raise ConfigError(f"engine.sglang.num_servers={self.num_servers!r} must be >= 1")
+        if self.tp_size < 1:
+            raise ConfigError(f"engine.sglang.tp_size={self.tp_size!r} must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    """The inference backend."""
+
+    backend: Literal["local", "sglang", "remote"] = "local"
+    """local = embedded transformers engine; sglang = launch/reach SGLang servers;
+    remote = reach ``areal-env serve`` (or SGLang) servers listed in ``addresses``."""
+    addresses: list[str] = field(default_factory=list)
+    max_batch_size: int = 32
+    """Local engine: most sequences decoded together."""
+    request_timeout: float = 3600.0
+    max_retries: int = 3
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def validate(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.max_batch_size={self.max_batch_size!r} must be >= 1")
+        if self.backend == "remote" and not self.addresses:
+            raise ConfigError("engine.backend=remote needs engine.addresses (host:port list)")
+        if self.max_retries < 0:
+            raise ConfigError(f"engine.max_retries={self.max_retries!r} must be >= 0")
+
+
+@dataclass
+class ProxyConfig:
+    """The interception proxy."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 = pick a free port."""
+    admin_key: str | None = None
+    """None = generate a random one at start."""
+    session_ttl: float = 3600.0
+    """Seconds an idle session lives."""
+    max_sessions: int = 1024
+    max_interactions_per_session: int = 512
+    max_tokens_per_session: int = 262144
+    tool_parser: str = "auto"
+    """auto | hermes | qwen | llama3 | mistral | none."""
+    default_max_tokens: int = 512
+    model_name: str | None = None
+    """Name reported by /v1/models (default: model.path)."""
+
+    def validate(self) -> None:
+        if not (0 <= self.port < 65536):
+            raise ConfigError(f"proxy.port={self.port!r} must be in [0, 65535]")
+        if self.session_ttl <= 0:
+            raise ConfigError(f"proxy.session_ttl={self.session_ttl!r} must be > 0")
+        for name in ("max_sessions", "max_interactions_per_session", "max_tokens_per_session"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"proxy.{name}={getattr(self, name)!r} must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are run and exported."""
+
+    n_samples: int = 4
+    """Samples per prompt (GRPO group size)."""
+    batch_size: int = 4
+    """Prompts per training step."""
+    max_concurrent_rollouts: int = 16
+    max_head_offpolicyness: int = 0
+    """No rollout starts on weights more than this many versions behind the trainer."""
+    mode: Literal["inline", "subproc"] = "inline"
+    episode_timeout: float = 600.0
+    discount: float = 1.0
+    export_style: Literal["individual", "concat"] = "individual"
+    dump_to_file: bool = True
+
+    def validate(self) -> None:
+        for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}={getattr(self, name)!r} must be >= 1")
+        if self.max_head_offpolicyness < 0:
+            raise ConfigError(
+                f"rollout.max_head_offpolicyness={self.max_head_offpolicyness!r} must be >= 0"
+            )
+        if not (0.0 <= self.discount <= 1.0):
+            raise ConfigError(f"rollout.discount={self.discount!r} must be in [0, 1]")
+        if self.episode_timeout <= 0:
+            raise ConfigError(f"rollout.episode_timeout={self.episode_timeout!r} must be > 0")
+
+
+@dataclass
+class ActorConfig:
+    """The PPO update."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    ppo_n_minibatches: int = 2
+    ppo_epochs: int = 1
+    group_adv_norm: bool = True
+    """Subtract the group mean."""
+    group_std_norm: bool = True
+    """Divide by the group std (GRPO); off = Dr.GRPO-style mean-only."""
+    batch_adv_norm: bool = False
+    reward_scaling: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    kl_coef: float = 0.0
+    """KL to the reference (initial) model; 0 = no reference model is kept."""
+    entropy_coef: float = 0.0
+    use_decoupled_loss: bool = False
+    """Recompute proximal logprobs and weight by the capped behaviour ratio (off-policy)."""
+    behav_imp_weight_cap: float | None = 5.0
+    recompute_logprobs: bool = False
+    temperature: float | None = None
+    """Temperature used to recompute logprobs (default: gconfig.temperature)."""
+    micro_batch_tokens: int = 4096
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"actor.lr={self.lr!r} must be > 0")
+        if self.eps_clip <= 0:
+            raise ConfigError(f"actor.eps_clip={self.eps_clip!r} must be > 0")
+        if self.ppo_n_minibatches < 1:
+            raise ConfigError(f"actor.ppo_n_minibatches={self.ppo_n_minibatches!r} must be >= 1")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"actor.ppo_epochs={self.ppo_epochs!r} must be >= 1")
+        if self.kl_coef < 0:
+            raise ConfigError(f"actor.kl_coef={self.kl_coef!r} must be >= 0")
+        if len(self.adam_betas) != 2:
+            raise ConfigError(f"actor.adam_betas={self.adam_betas!r} must have two values")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    total_train_steps: int | None = None
+    """Stop after this many steps (default: one pass over the dataset per epoch)."""
+    total_train_epochs: int = 1
+    save_freq_steps: int | None = None
+    """Checkpoint every N steps (and always at the end). None = only at the end."""
+    recover: Literal["auto", "off"] = "auto"
+    eval_freq_steps: int | None = None
+    tensorboard: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.total_train_steps is not None and self.total_train_steps < 1:
+            raise ConfigError(f"trainer.total_train_steps={self.total_train_steps!r} must be >= 1")
+        if self.total_train_epochs < 1:
+            raise ConfigError(
+                f"trainer.total_train_epochs={self.total_train_epochs!r} must be >= 1"
+            )
+        if self.save_freq_steps is not None and self.save_freq_steps < 1:
+            raise ConfigError(f"trainer.save_freq_steps={self.save_freq_steps!r} must be >= 1")
+
+
+@dataclass
+class ExperimentConfig:
+    """The whole configuration of a training run."""
+
+    experiment_name: str = "areal-env"
+    trial_name: str = "trial0"
+    fileroot: str = "./outputs"
+    seed: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    gconfig: GenerationConfig = field(
+        default_factory=lambda: GenerationConfig(max_new_tokens=128, temperature=1.0)
+    )
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    workflow: str | None = None
+    """Import string of the agent/workflow (``pkg.mod:Attr`` or ``path.py:Attr``)."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_dataset: str | None = None
+    """JSONL path of the training data (when using the CLI)."""
+    valid_dataset: str | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+    def validate(self) -> None:
+        for name in ("experiment_name", "trial_name"):
+            value = getattr(self, name)
+            if not value or "/" in value or value in (".", ".."):
+                raise ConfigError(f"{name}={value!r} must be a non-empty name without '/'")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` (from YAML or a command-line string) to annotation ``tp``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(
+            f"{key}={value!r} is invalid; expected {' or '.join(_type_name(a) for a in args)}"
+        )
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        raise ConfigError(
+            f"{key}={value!r} is invalid; valid values: {', '.join(map(str, choices))}"
+        )
+    if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of fields, got {value!r}")
+        return _build(tp, value, prefix=key + ".")
+    if origin in (list, tuple):
+        (inner,) = get_args(tp)[:1] or (Any,)
+        if isinstance(value, str):
+            value = (
+                yaml.safe_load(value)
+                if value.strip().startswith("[")
+                else [v.strip() for v in value.split(",") if v.strip()]
+            )
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is invalid; expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is invalid; expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is invalid; expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is invalid; expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is invalid; expected a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r} is invalid; expected a string")
+    return value
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s}; valid keys under "
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {name: _convert(value, hints[name], prefix + name) for name, value in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from e
+    return obj
+
+
+def validate_config(cfg: Any, prefix: str = "") -> None:
+    """Run every section's ``validate()`` (depth first), turning ValueError into ConfigError."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate_config(value, prefix + f.name + ".")
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"{prefix.rstrip('.') or type(cfg).__name__}: {e}") from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain dict (for YAML dumps and logging)."""
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["rollout.n_samples=8", "model.path=/m"]`` → nested dict (values parsed as YAML scalars)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "workflow_kwargs":
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    cls: type[T] = ExperimentConfig,  # type: ignore[assignment]
+    path: str | os.PathLike[str] | None = None,
+    overrides: list[str] | None = None,
+) -> T:
+    """Load ``cls`` from an optional YAML file plus dotted overrides, then validate it."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    cfg = _build(cls, data)
+    validate_config(cfg)
+    return cfg
+
+
+def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build and validate ``cls`` from a (possibly partial) nested dict."""
+    cfg = _build(cls, data)
+    validate_config(cfg)
+    return cfg

@@ -1,0 +1,125 @@
+"""Request/response types shared by every inference engine, the proxy and the trainer.
+
+They are plain dataclasses (no torch) so that light clients can import them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+StopReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling options for one completion.
+
+    ``top_k=0`` and ``top_p=1.0`` mean "off"; ``greedy=True`` (or ``temperature == 0``) picks the
+    argmax. Logprobs are always those of the distribution actually sampled from.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field; engines call this before queueing."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.stop is not None:
+            if isinstance(self.stop, str):
+                self.stop = [self.stop]
+            if not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+    def new(self, **changes: Any) -> GenerationConfig:
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> GenerationConfig:
+        """Build from a dict, refusing unknown options with the list of valid ones."""
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling option(s) {unknown}; valid options: {sorted(valid)}"
+            )
+        return cls(**options)
+
+
+@dataclass
+class ModelRequest:
+    """One generation request: token ids in, sampling options."""
+
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """The outcome of one request.
+
+    ``output_logprobs[i]`` scores ``output_tokens[i]`` and ``output_versions[i]`` is the weight
+    version that produced it, so a completion that spans a weight update shows the switch.
+    """
+
+    input_tokens: list[int]
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    stop_reason: StopReason = "stop"
+    latency: float = 0.0
+    ttft: float = 0.0
+    rid: str = ""
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass
+class StreamChunk:
+    """Tokens produced since the previous chunk of a streaming request.
+
+    The last chunk of a stream carries ``final``: the full ``ModelResponse``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    final: ModelResponse | None = None

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+# Shared fixtures live in tests/fixtures/<area>.py, one module per area, loaded as plugins.
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}"
+    for p in (Path(__file__).parent / "fixtures").glob("*.py")
+    if p.stem != "__init__"
+)
 
 
 @pytest.fixture(scope="session")

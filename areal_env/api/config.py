@@ -126,6 +126,8 @@ class ProxyConfig:
     default_max_tokens: int = 512
     model_name: str | None = None
     """Name reported by /v1/models (default: model.path)."""
+    initial_capacity: int | None = None
+    """Sessions that may start before any /grant_capacity; None = unlimited (no capacity control)."""
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):

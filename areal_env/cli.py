@@ -1,0 +1,48 @@
+"""`areal-env` command line: each subcommand lives in the module that owns it (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "areal_env.trainer.cli",
+        "Train: areal-env train CONFIG.yaml [section.key=value ...]",
+    ),
+    "demo": ("areal_env.demo", "The main job: a short training run on the embedded default model"),
+    "serve": (
+        "areal_env.engine.server",
+        "Serve a model over SGLang's HTTP protocol (+ OpenAI API)",
+    ),
+    "proxy": ("areal_env.proxy.server", "Run the interception proxy on an embedded engine"),
+    "serve-training": ("areal_env.service.server", "Any-agent training service"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: areal-env COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<16}{help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines.append("\nRun `areal-env COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"areal-env: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,67 @@
-"""areal-env."""
+"""areal-env: train any LLM agent with RL through an OpenAI/Anthropic-compatible proxy.
+
+The public names are imported lazily so that ``import areal_env`` stays light (no torch) for
+client-side code such as ``areal_env.service.client``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # agents and training
+    "AenvAgent": "areal_env.aenv_agent",
+    "PPOTrainer": "areal_env.trainer.ppo",
+    "RolloutWorkflow": "areal_env.api.workflow",
+    "resolve_workflow": "areal_env.workflow.resolve",
+    "OpenAIProxyWorkflow": "areal_env.workflow.proxy_workflow",
+    "GroupedRolloutWorkflow": "areal_env.workflow.grouped",
+    # configuration and data types
+    "ExperimentConfig": "areal_env.api.config",
+    "load_config": "areal_env.api.config",
+    "ConfigError": "areal_env.api.config",
+    "GenerationConfig": "areal_env.api.io",
+    "ModelRequest": "areal_env.api.io",
+    "ModelResponse": "areal_env.api.io",
+    "InferenceEngine": "areal_env.api.engine",
+    # engines and proxy
+    "LocalEngine": "areal_env.engine.local",
+    "SGLangEngine": "areal_env.engine.sglang",
+    "create_engine": "areal_env.engine.factory",
+    "ProxyServer": "areal_env.proxy.server",
+    "OpenAIProxyClient": "areal_env.proxy.client",
+    # AEnvironment
+    "AenvConfig": "areal_env.infra.aenv",
+    "AenvEnvironmentAdapter": "areal_env.infra.aenv",
+    # any-agent service (client side)
+    "AgentSession": "areal_env.service.client",
+    "AgentRunner": "areal_env.service.client",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_env' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from areal_env.aenv_agent import AenvAgent  # noqa: F401
+    from areal_env.api.config import ConfigError, ExperimentConfig, load_config  # noqa: F401
+    from areal_env.api.engine import InferenceEngine  # noqa: F401
+    from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: F401
+    from areal_env.api.workflow import RolloutWorkflow  # noqa: F401
+    from areal_env.engine.local import LocalEngine  # noqa: F401
+    from areal_env.trainer.ppo import PPOTrainer  # noqa: F401

@@ -1,0 +1,656 @@
+"""The embedded inference engine: transformers + continuous batching in one worker thread.
+
+Concurrent ``agenerate`` calls share every decode step. New requests are prefilled together and
+merged into the running batch; finished ones leave at the step boundary. All torch work happens in
+the worker thread, so the asyncio loops that await results (the proxy's, the trainer's) stay
+responsive. Weight updates and pauses take effect between two decode steps: in-flight requests
+carry on with the new weights, and each output token records the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
+from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
+from areal_env.engine._kv import BatchKV
+from areal_env.engine._sampling import RowSampling, sample_rows
+
+if TYPE_CHECKING:
+    from areal_env.api.config import EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
+
+
+@dataclass
+class _Request:
+    """A request's state inside the engine (touched by the worker thread only, except flags)."""
+
+    req: ModelRequest
+    deliver: Callable[[Any], None]  # thread-safe: hands a result/chunk/exception to the caller
+    stream: bool
+    submitted: float
+    max_new: int
+    stop_ids: frozenset[int]
+    stop_strs: list[str]
+    stop_window: int
+    sampling: RowSampling
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    sent: int = 0  # tokens already streamed
+    first_token_at: float = 0.0
+    cancelled: bool = False  # set from other threads: drop silently
+    aborted: bool = False  # set from other threads: finish with stop_reason "abort"
+    done: bool = False
+    reason: str = ""  # why it stopped (set by _check_done)
+
+
+class LocalEngine:
+    """In-process transformers engine with continuous batching (implements ``InferenceEngine``)."""
+
+    supports_state_dict_update = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_context_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        self.model_path = str(model_path)
+        self._device_opt = device
+        self._dtype_opt = dtype
+        self.max_batch_size = max_batch_size
+        self._max_context_opt = max_context_len
+        self.num_threads = num_threads
+        self.max_context_len: int = max_context_len or 0
+        self.eos_token_ids: list[int] = []
+        self.tokenizer: Any = None
+        self.model: Any = None
+        self.device = torch.device("cpu")
+        self.vocab_size = 0
+
+        self._cv = threading.Condition()
+        self._pending: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._kv: BatchKV | None = None
+        self._next_tokens: torch.Tensor | None = None  # [B] last sampled, not yet in the cache
+        self._positions: torch.Tensor | None = None  # [B] position of the next fed token
+        self._thread: threading.Thread | None = None
+        self._alive = False
+        self._stopping = False
+        self._paused = False
+        self._holders = 0  # callers waiting to act at a step boundary (weight updates)
+        self._in_step = False
+        self._version = 0
+        self._stats = {
+            "requests": 0,
+            "finished": 0,
+            "aborted": 0,
+            "rejected": 0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "batch_size_sum": 0,
+            "max_batch_size_seen": 0,
+            "weight_updates": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def from_config(cls, model: ModelConfig, engine: EngineConfig) -> LocalEngine:
+        """Build from the ``model`` and ``engine`` config sections (resolves model names)."""
+        from areal_env.engine.models import resolve_model_path
+
+        path = resolve_model_path(model.path, model.cache_dir)
+        return cls(
+            str(path),
+            device=model.device,
+            dtype=model.dtype,
+            max_batch_size=engine.max_batch_size,
+            max_context_len=model.max_context_len,
+            num_threads=model.num_threads,
+        )
+
+    def initialize(self) -> None:
+        """Load tokenizer and model and start the worker thread (idempotent)."""
+        with self._cv:
+            if self._alive:
+                return
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        dev = self._device_opt
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        dtype = {
+            "auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }.get(self._dtype_opt)
+        if dtype is None:
+            raise ValueError(
+                f"dtype must be auto|float32|bfloat16|float16, got {self._dtype_opt!r}"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        model.to(self.device).eval()
+        model.requires_grad_(False)
+        self.model = model
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+        self.max_context_len = min(self._max_context_opt or limit, limit)
+        eos: set[int] = set()
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source:
+                eos.update(int(t) for t in source)
+        self.eos_token_ids = sorted(eos)
+        with self._cv:
+            self._alive, self._stopping = True, False
+            self._thread = threading.Thread(
+                target=self._worker, name="LocalEngine-worker", daemon=True
+            )
+            self._thread.start()
+        logger.info(
+            "LocalEngine ready: %s on %s/%s, context %d, batch %d, eos %s (%.1fs)",
+            os.path.basename(self.model_path.rstrip("/")),
+            self.device,
+            str(dtype).replace("torch.", ""),
+            self.max_context_len,
+            self.max_batch_size,
+            self.eos_token_ids,
+            time.perf_counter() - t0,
+        )
+
+    def destroy(self) -> None:
+        """Stop the worker; unfinished requests end with ``stop_reason="abort"``."""
+        with self._cv:
+            if not self._alive:
+                return
+            self._alive = False
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cv:
+            leftovers = list(self._running) + list(self._pending)
+            self._running, self._pending = [], deque()
+            self._kv = None
+        for r in leftovers:
+            if not r.done:
+                self._finish(r, "abort")
+        self.model = None
+        logger.info("LocalEngine destroyed (%d unfinished requests aborted)", len(leftovers))
+
+    # ------------------------------------------------------------------ versions, pause, weights
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        with self._cv:
+            self._version = int(version)
+
+    def pause(self) -> None:
+        """Hold generation at the next step boundary (returns once no step is running).
+
+        Requests keep arriving and wait; none is lost. ``resume()`` continues them.
+        """
+        with self._cv:
+            self._paused = True
+            while self._in_step:
+                self._cv.wait()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
+        """Swap in new weights between two decode steps, then bump the version.
+
+        ``weights`` is a state dict (same parameter names as the loaded model) or the path of an
+        HF model folder. Blocks until the swap is done; safe to call from any thread. In-flight
+        requests continue with the new weights.
+        """
+        self._require_alive()
+        with self._cv:
+            self._holders += 1
+            while self._in_step:
+                self._cv.wait()
+        try:
+            t0 = time.perf_counter()
+            if isinstance(weights, (str, os.PathLike)):
+                state = self._load_folder(str(weights))
+            elif isinstance(weights, dict):
+                state = weights
+            else:
+                raise TypeError(
+                    f"update_weights takes a state dict or a path, got {type(weights)!r}"
+                )
+            self._load_state(state)
+            with self._cv:
+                self._version += 1
+                self._stats["weight_updates"] += 1
+            logger.info(
+                "weights updated to version %d in %.2fs", self._version, time.perf_counter() - t0
+            )
+        finally:
+            with self._cv:
+                self._holders -= 1
+                self._cv.notify_all()
+
+    def _load_folder(self, path: str) -> dict[str, torch.Tensor]:
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(path):
+            raise ValueError(f"update_weights: {path!r} is not a model folder")
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
+        return loaded.state_dict()
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        # Tied weights (lm_head = embed_tokens) may be absent from a state dict: not an error.
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
+        with torch.no_grad():
+            result = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"update_weights: state dict does not match the model "
+                f"(missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]})"
+            )
+
+    def stats(self) -> dict[str, float]:
+        """Counters: requests, tokens generated, decode steps, mean/max batch size, queue."""
+        with self._cv:
+            s: dict[str, float] = dict(self._stats)
+            s["running"] = len(self._running)
+            s["queued"] = len(self._pending)
+            s["version"] = self._version
+        steps = s["decode_steps"]
+        s["mean_batch_size"] = s["batch_size_sum"] / steps if steps else 0.0
+        return s
+
+    # ------------------------------------------------------------------ request API
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate a completion; callable from any event loop or thread."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[ModelResponse] = loop.create_future()
+
+        def settle(item: Any) -> None:
+            if fut.done():
+                return
+            if isinstance(item, BaseException):
+                fut.set_exception(item)
+            elif isinstance(item, ModelResponse):
+                fut.set_result(item)
+
+        r = self._submit(req, self._threadsafe(loop, settle), stream=False)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            r.cancelled = True
+            self._wake()
+            raise
+
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Yield a ``StreamChunk`` per decode step; the last one carries ``final``."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        r = self._submit(req, self._threadsafe(loop, queue.put_nowait), stream=True)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final is not None:
+                    return
+        finally:
+            if not r.done:
+                r.cancelled = True
+                self._wake()
+
+    def abort(self, rid: str) -> bool:
+        """End request ``rid`` at the next step boundary with ``stop_reason="abort"``."""
+        with self._cv:
+            for r in list(self._pending) + self._running:
+                if r.req.rid == rid and not r.done:
+                    r.aborted = True
+                    self._cv.notify_all()
+                    return True
+        return False
+
+    @staticmethod
+    def _threadsafe(
+        loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None]
+    ) -> Callable[[Any], None]:
+        def deliver(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(fn, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                pass
+
+        return deliver
+
+    def _require_alive(self) -> None:
+        if not self._alive:
+            raise EngineUnavailableError(
+                "LocalEngine is not running (call initialize(); destroyed engines cannot serve)"
+            )
+
+    def _validate(self, req: ModelRequest) -> None:
+        ids = req.input_ids
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must contain only integers")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) + 1 > self.max_context_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; with at least one new token it exceeds the "
+                f"context length {self.max_context_len}"
+            )
+        req.gconfig.validate()
+
+    def _submit(self, req: ModelRequest, deliver: Callable[[Any], None], stream: bool) -> _Request:
+        self._require_alive()
+        try:
+            self._validate(req)
+        except ValueError:
+            with self._cv:
+                self._stats["rejected"] += 1
+            raise
+        g = req.gconfig
+        stop_ids = set() if g.ignore_eos else set(self.eos_token_ids) | set(g.stop_token_ids or [])
+        stop_strs = list(g.stop or [])
+        gen = None
+        if not g.is_greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(
+                g.seed if g.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
+        r = _Request(
+            req=req,
+            deliver=deliver,
+            stream=stream,
+            submitted=time.perf_counter(),
+            max_new=min(g.max_new_tokens, self.max_context_len - len(req.input_ids)),
+            stop_ids=frozenset(stop_ids),
+            stop_strs=stop_strs,
+            stop_window=(max(len(s) for s in stop_strs) + _STOP_TAIL_TOKENS) if stop_strs else 0,
+            sampling=RowSampling(
+                greedy=g.is_greedy,
+                temperature=float(g.temperature),
+                top_k=int(g.top_k),
+                top_p=float(g.top_p),
+                generator=gen,
+            ),
+        )
+        with self._cv:
+            if not self._alive:
+                raise EngineUnavailableError("LocalEngine was destroyed")
+            self._pending.append(r)
+            self._stats["requests"] += 1
+            self._cv.notify_all()
+        return r
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ worker
+    def _worker(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stopping and (
+                    self._paused or self._holders > 0 or not (self._pending or self._running)
+                ):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._in_step = True
+                admit = self._take_pending()
+            try:
+                with torch.inference_mode():
+                    self._step(admit)
+            except Exception as exc:  # keep serving: fail only the requests of this batch
+                logger.exception("generation step failed; failing %d requests", len(self._running))
+                for r in self._running + admit:
+                    if not r.done:
+                        r.done = True
+                        r.deliver(RuntimeError(f"generation failed: {exc}"))
+                self._running, self._kv = [], None
+                self._next_tokens = self._positions = None
+            finally:
+                with self._cv:
+                    self._in_step = False
+                    self._cv.notify_all()
+
+    def _take_pending(self) -> list[_Request]:
+        """Requests to prefill now (caller holds the lock); drops cancelled ones."""
+        admit: list[_Request] = []
+        room = self.max_batch_size - len(self._running)
+        while self._pending and len(admit) < room:
+            r = self._pending.popleft()
+            if r.cancelled:
+                r.done = True
+                continue
+            if r.aborted:
+                self._finish(r, "abort")
+                continue
+            admit.append(r)
+        return admit
+
+    def _step(self, admit: list[_Request]) -> None:
+        version = self._version
+        if admit:
+            self._prefill(admit, version)
+        if not self._running:
+            return
+        kv = self._kv
+        assert kv is not None and self._next_tokens is not None and self._positions is not None
+        mask = kv.mask_for_step(1)
+        out = self.model(
+            input_ids=self._next_tokens[:, None],
+            attention_mask=mask,
+            position_ids=self._positions[:, None],
+            past_key_values=kv.cache,
+            use_cache=True,
+        )
+        kv.advance(1)
+        self._positions += 1
+        logits = out.logits[:, -1, :]
+        tokens, logps = sample_rows(logits, [r.sampling for r in self._running])
+        self._stats["decode_steps"] += 1
+        self._stats["batch_size_sum"] += len(self._running)
+        self._stats["max_batch_size_seen"] = max(
+            self._stats["max_batch_size_seen"], len(self._running)
+        )
+        self._record(self._running, tokens, logps, version)
+        self._next_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self._retire()
+
+    def _prefill(self, admit: list[_Request], version: int) -> None:
+        lengths = [len(r.req.input_ids) for r in admit]
+        T = max(lengths)
+        ids = torch.zeros((len(admit), T), dtype=torch.long)
+        mask = torch.zeros((len(admit), T), dtype=torch.bool)
+        for i, r in enumerate(admit):
+            ids[i, T - lengths[i] :] = torch.tensor(r.req.input_ids, dtype=torch.long)
+            mask[i, T - lengths[i] :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._stats["prefill_tokens"] += sum(lengths)
+        tokens, logps = sample_rows(out.logits[:, -1, :], [r.sampling for r in admit])
+        now = time.perf_counter()
+        for r in admit:
+            r.first_token_at = now
+        self._record(admit, tokens, logps, version)
+        keep = [i for i, r in enumerate(admit) if not self._check_done(r)]
+        for i, r in enumerate(admit):
+            if i not in keep:
+                self._finish(r, r.reason)
+        if not keep:
+            return
+        new_kv = BatchKV.stack_prefill(cache)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if len(keep) < len(admit):
+            new_kv, mask = new_kv.index_select(2, idx), mask.index_select(0, idx)
+        new_tokens = torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.device)
+        new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
+        self._kv = BatchKV.merge(self._kv, new_kv, mask)
+        if self._running:
+            assert self._next_tokens is not None and self._positions is not None
+            self._next_tokens = torch.cat([self._next_tokens, new_tokens])
+            self._positions = torch.cat([self._positions, new_pos])
+        else:
+            self._next_tokens, self._positions = new_tokens, new_pos
+        self._running.extend(admit[i] for i in keep)
+        logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
+
+    def _record(
+        self, rows: list[_Request], tokens: list[int], logps: list[float], version: int
+    ) -> None:
+        for r, t, lp in zip(rows, tokens, logps):
+            r.out_tokens.append(t)
+            r.out_logprobs.append(lp)
+            r.out_versions.append(version)
+        self._stats["tokens_generated"] += len(rows)
+
+    def _check_done(self, r: _Request) -> bool:
+        """Decide whether ``r`` stops after its latest token (reason stored on the request)."""
+        reason = None
+        if r.cancelled:
+            reason = "cancel"
+        elif r.aborted:
+            reason = "abort"
+        elif r.out_tokens[-1] in r.stop_ids:
+            reason = "stop"
+        elif r.stop_strs and self._hit_stop_string(r):
+            reason = "stop"
+        elif len(r.out_tokens) >= r.max_new:
+            reason = "length"
+        if reason is None:
+            if r.stream:
+                self._send_chunk(r)
+            return False
+        r.reason = reason
+        return True
+
+    def _hit_stop_string(self, r: _Request) -> bool:
+        tail = self.tokenizer.decode(r.out_tokens[-r.stop_window :], skip_special_tokens=False)
+        return any(s in tail for s in r.stop_strs)
+
+    def _retire(self) -> None:
+        """Finish rows that are done (or cancelled) and shrink the batch."""
+        keep: list[int] = []
+        for i, r in enumerate(self._running):
+            if self._check_done(r):
+                self._finish(r, r.reason)
+            else:
+                keep.append(i)
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._running, self._kv = [], None
+            self._next_tokens = self._positions = None
+            return
+        assert (
+            self._kv is not None and self._next_tokens is not None and self._positions is not None
+        )
+        self._kv.select(keep)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._next_tokens = self._next_tokens.index_select(0, idx)
+        self._positions = self._positions.index_select(0, idx)
+        self._running = [self._running[i] for i in keep]
+
+    def _send_chunk(self, r: _Request) -> None:
+        n = len(r.out_tokens)
+        if n > r.sent:
+            r.deliver(
+                StreamChunk(
+                    token_ids=r.out_tokens[r.sent : n],
+                    logprobs=r.out_logprobs[r.sent : n],
+                    versions=r.out_versions[r.sent : n],
+                )
+            )
+            r.sent = n
+
+    def _finish(self, r: _Request, reason: str) -> None:
+        r.done = True
+        if reason == "cancel":  # nobody awaits it any more
+            self._stats["aborted"] += 1
+            return
+        now = time.perf_counter()
+        resp = ModelResponse(
+            input_tokens=list(r.req.input_ids),
+            output_tokens=list(r.out_tokens),
+            output_logprobs=list(r.out_logprobs),
+            output_versions=list(r.out_versions),
+            stop_reason=reason,  # type: ignore[arg-type]
+            latency=now - r.submitted,
+            ttft=(r.first_token_at - r.submitted) if r.first_token_at else now - r.submitted,
+            rid=r.req.rid,
+        )
+        self._stats["finished" if reason != "abort" else "aborted"] += 1
+        if r.stream:
+            n = len(r.out_tokens)
+            r.deliver(
+                StreamChunk(
+                    token_ids=r.out_tokens[r.sent : n],
+                    logprobs=r.out_logprobs[r.sent : n],
+                    versions=r.out_versions[r.sent : n],
+                    final=resp,
+                )
+            )
+            r.sent = n
+        else:
+            r.deliver(resp)

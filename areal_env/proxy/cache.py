@@ -1,0 +1,442 @@
+"""One session's completions as a conversation tree: parent lookup, rewards, discount, export.
+
+Every completion the proxy serves becomes an :class:`Interaction`. A later request whose
+messages start with an earlier interaction's ``messages + [output_message]`` extends it: that
+interaction is its parent. Parallel tool calls and sub-agents send several requests extending
+the same parent at once, so a session is a tree (a forest, with several roots), not a list.
+
+Parent lookup is O(1) per request: every interaction is indexed by a chained hash of a
+canonical form of its ``messages + [output_message]``; ``find_parent`` hashes the incoming
+messages once, prefix by prefix, and looks each assistant position up, longest first.
+
+Canonical form (what clients may change when they echo history back without breaking the match):
+``role`` (``developer`` counts as ``system``); ``content`` as text (None, ``""``, a string or a
+list of text parts all compare by their joined text, leading/trailing whitespace ignored); for
+assistant messages the tool calls' names and arguments compared as parsed JSON (key order and
+spacing do not matter). Everything else (``refusal``, ``annotations``, ``audio``, ``name``,
+reasoning fields, ...) is ignored. Tool-call ids and ``tool_call_id`` are not hashed (protocol
+converters rewrite them) but are compared when present on both sides, to pick between
+candidates with equal hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+ExportStyle = Literal["individual", "concat"]
+
+
+class SessionLimitError(ValueError):
+    """A session reached its memory bound (interactions or tokens); maps to HTTP 413/400."""
+
+
+@dataclass
+class Interaction:
+    """One completion: what was asked, what the model produced (token-exact), and its reward.
+
+    ``prompt_ids`` are the exact tokens the engine received (for a spliced child they start with
+    the parent's ``prompt_ids + output_ids``); ``output_logprobs`` and ``output_versions`` align
+    with ``output_ids``. ``spliced`` is set by :meth:`InteractionCache.add` from a token-prefix
+    check against the parent.
+    """
+
+    id: str
+    session_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    output_message: dict[str, Any]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: str
+    parent_id: str | None = None
+    reward: float | None = None
+    spliced: bool = False
+    created_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def new_id() -> str:
+        """A fresh completion id in OpenAI's style."""
+        return f"chatcmpl-{uuid.uuid4().hex}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+# ---- canonical form and hashing --------------------------------------------------------------
+
+
+def content_text(content: Any) -> str:
+    """Message content as plain text: None → "", a list of parts → their text joined by "\\n".
+
+    Non-text parts are represented by their type (``[image_url]``) so that they still count.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    pieces.append(text)
+                else:
+                    pieces.append(f"[{part.get('type', 'part')}]")
+        return "\n".join(pieces)
+    return str(content)
+
+
+def _canonical_arguments(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments.strip()
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    calls = message.get("tool_calls") or []
+    return [c for c in calls if isinstance(c, dict)]
+
+
+def canonical_message(message: dict[str, Any]) -> tuple:
+    """The hashed part of a message (ids excluded; see the module docstring)."""
+    role = message.get("role")
+    if role == "developer":
+        role = "system"
+    calls = tuple(
+        (
+            (c.get("function") or {}).get("name"),
+            _canonical_arguments((c.get("function") or {}).get("arguments")),
+        )
+        for c in _tool_calls(message)
+    )
+    return (role, content_text(message.get("content")).strip(), calls)
+
+
+def _message_ids(message: dict[str, Any]) -> tuple[list[str | None], str | None]:
+    return [c.get("id") for c in _tool_calls(message)], message.get("tool_call_id")
+
+
+def _ids_compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Tool-call ids agree wherever both messages carry them."""
+    (calls_a, tcid_a), (calls_b, tcid_b) = _message_ids(a), _message_ids(b)
+    if tcid_a and tcid_b and tcid_a != tcid_b:
+        return False
+    return all(not (x and y) or x == y for x, y in zip(calls_a, calls_b, strict=False))
+
+
+def _message_digest(message: dict[str, Any]) -> bytes:
+    blob = json.dumps(canonical_message(message), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(blob.encode("utf-8"), digest_size=16).digest()
+
+
+def prefix_keys(messages: list[dict[str, Any]]) -> list[bytes]:
+    """Chained hashes: ``keys[i]`` identifies ``messages[: i + 1]`` in canonical form."""
+    keys: list[bytes] = []
+    prev = b""
+    for message in messages:
+        prev = hashlib.blake2b(prev + _message_digest(message), digest_size=16).digest()
+        keys.append(prev)
+    return keys
+
+
+# ---- the cache -------------------------------------------------------------------------------
+
+
+class InteractionCache:
+    """One session's interactions as a tree; thread-safe (one lock around every mutation).
+
+    ``max_interactions`` / ``max_tokens`` bound its memory: ``add`` past a bound raises
+    :class:`SessionLimitError` and leaves the cache unchanged.
+    """
+
+    def __init__(self, max_interactions: int | None = None, max_tokens: int | None = None):
+        self.max_interactions = max_interactions
+        self.max_tokens = max_tokens
+        self._lock = threading.RLock()
+        self._items: dict[str, Interaction] = {}
+        self._children: dict[str, list[str]] = {}
+        self._index: dict[bytes, list[str]] = {}
+        self._last: str | None = None
+        self._total_tokens = 0
+
+    # ---- containers ----
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, interaction_id: object) -> bool:
+        return interaction_id in self._items
+
+    def __iter__(self) -> Iterator[Interaction]:
+        with self._lock:
+            return iter(list(self._items.values()))
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt + output tokens held (each interaction counted in full)."""
+        return self._total_tokens
+
+    def interactions(self) -> list[Interaction]:
+        """All interactions in insertion order (parents always before their children)."""
+        with self._lock:
+            return list(self._items.values())
+
+    def children(self, interaction_id: str) -> list[Interaction]:
+        with self._lock:
+            return [self._items[c] for c in self._children.get(interaction_id, [])]
+
+    def leaves(self) -> list[Interaction]:
+        """Interactions without children, in insertion order."""
+        with self._lock:
+            return [it for it in self._items.values() if not self._children.get(it.id)]
+
+    def get(self, interaction_id: str) -> Interaction:
+        """The interaction with this id; ``KeyError`` if unknown."""
+        with self._lock:
+            try:
+                return self._items[interaction_id]
+            except KeyError:
+                raise KeyError(f"unknown interaction {interaction_id!r}") from None
+
+    def last(self) -> Interaction | None:
+        with self._lock:
+            return self._items[self._last] if self._last else None
+
+    # ---- tree building ----
+    def find_parent(self, messages: list[dict[str, Any]]) -> Interaction | None:
+        """The interaction that ``messages`` extend the most, or None (a new root).
+
+        An interaction extends-matches when ``messages`` start with its ``messages +
+        [output_message]`` in canonical form. Assistant positions are tried from the end, so the
+        longest match wins. Among equal-hash candidates, ones whose tool-call ids disagree are
+        skipped and the most recent is taken.
+        """
+        keys = prefix_keys(messages)
+        with self._lock:
+            if not self._index:
+                return None
+            for pos in range(len(messages) - 1, -1, -1):
+                if messages[pos].get("role") != "assistant":
+                    continue
+                candidates = self._index.get(keys[pos])
+                if not candidates:
+                    continue
+                for cid in reversed(candidates):
+                    it = self._items[cid]
+                    if self._ids_match(it, messages[: pos + 1]):
+                        return it
+        return None
+
+    @staticmethod
+    def _ids_match(it: Interaction, messages: list[dict[str, Any]]) -> bool:
+        own = [*it.messages, it.output_message]
+        return len(own) == len(messages) and all(
+            _ids_compatible(a, b) for a, b in zip(own, messages, strict=True)
+        )
+
+    def add(self, it: Interaction) -> None:
+        """Insert a finished interaction (its parent, if any, must be in the cache).
+
+        Sets ``it.spliced`` from a token check (the prompt starts with the parent's prompt +
+        output ids) and records, in ``it.extra["spans"]``, the ``(start, length, interaction_id)``
+        of every ancestor's output inside ``it.prompt_ids`` along the spliced chain.
+        """
+        n_out = len(it.output_ids)
+        if len(it.output_logprobs) != n_out or len(it.output_versions) != n_out:
+            raise ValueError(
+                f"interaction {it.id!r}: output_ids ({n_out}), output_logprobs "
+                f"({len(it.output_logprobs)}) and output_versions ({len(it.output_versions)}) "
+                "must have the same length"
+            )
+        key = prefix_keys([*it.messages, it.output_message])[-1]
+        with self._lock:
+            if it.id in self._items:
+                raise ValueError(f"interaction {it.id!r} already recorded")
+            if self.max_interactions is not None and len(self._items) >= self.max_interactions:
+                raise SessionLimitError(
+                    f"session holds the maximum of {self.max_interactions} interactions"
+                )
+            if self.max_tokens is not None and self._total_tokens + it.num_tokens > self.max_tokens:
+                raise SessionLimitError(
+                    f"session would hold {self._total_tokens + it.num_tokens} tokens, "
+                    f"over its maximum of {self.max_tokens}"
+                )
+            parent = None
+            if it.parent_id is not None:
+                parent = self._items.get(it.parent_id)
+                if parent is None:
+                    raise KeyError(f"unknown parent interaction {it.parent_id!r}")
+            self._record_spans(it, parent)
+            self._items[it.id] = it
+            self._children.setdefault(it.id, [])
+            if parent is not None:
+                self._children[parent.id].append(it.id)
+            self._index.setdefault(key, []).append(it.id)
+            self._last = it.id
+            self._total_tokens += it.num_tokens
+
+    @staticmethod
+    def _record_spans(it: Interaction, parent: Interaction | None) -> None:
+        spans: list[tuple[int, int, str]] = []
+        spliced = False
+        if parent is not None:
+            n_prompt, n_out = len(parent.prompt_ids), len(parent.output_ids)
+            head = it.prompt_ids[: n_prompt + n_out]
+            spliced = (
+                len(head) == n_prompt + n_out
+                and head[:n_prompt] == parent.prompt_ids
+                and head[n_prompt:] == parent.output_ids
+            )
+            if spliced:
+                spans = [*parent.extra.get("spans", []), (n_prompt, n_out, parent.id)]
+            elif it.spliced:
+                logger.warning(
+                    "interaction %s marked spliced but its prompt does not start with parent %s's "
+                    "tokens; treating it as rendered from scratch",
+                    it.id,
+                    parent.id,
+                )
+        it.spliced = spliced
+        it.extra["spans"] = spans
+
+    # ---- rewards ----
+    def set_reward(self, reward: float, interaction_id: str | None = None) -> str:
+        """Add ``reward`` to an interaction (None = the last added); returns its id.
+
+        Rewards add up when set twice. ``KeyError`` for an unknown id or an empty session,
+        ``ValueError`` for a non-finite reward.
+        """
+        value = float(reward)
+        if not math.isfinite(value):
+            raise ValueError(f"reward must be a finite number, got {reward!r}")
+        with self._lock:
+            if interaction_id is None:
+                if self._last is None:
+                    raise KeyError("no interaction to reward in this session")
+                interaction_id = self._last
+            it = self.get(interaction_id)
+            it.reward = (it.reward or 0.0) + value
+            return it.id
+
+    def discounted_rewards(self, discount: float) -> dict[str, float]:
+        """Every interaction's reward after discounting along the tree, leaves first.
+
+        ``value(node) = own_reward(node) + discount * sum(value(child) for child in children)``.
+        A child's value flows only to its own ancestors (parallel branches never see each
+        other's rewards); with ``discount=1`` a node gets its own reward plus every reward in its
+        subtree; with ``discount=0`` only explicit rewards remain. Missing rewards count as 0.
+        """
+        if not (0.0 <= discount <= 1.0) or math.isnan(discount):
+            raise ValueError(f"discount must be in [0, 1], got {discount!r}")
+        with self._lock:
+            values = {i: (it.reward or 0.0) for i, it in self._items.items()}
+            # Parents are inserted before children, so reverse insertion order is leaves first.
+            for it in reversed(list(self._items.values())):
+                if it.parent_id is not None and discount != 0.0:
+                    values[it.parent_id] += discount * values[it.id]
+            return values
+
+    # ---- export ----
+    def export(
+        self, discount: float = 1.0, style: ExportStyle = "individual"
+    ) -> dict[str, dict[str, Any]]:
+        """Training rows, keyed by interaction id.
+
+        ``individual``: one row per interaction — ``prompt_ids + output_ids`` with the loss mask,
+        logprobs and versions on the output only. ``concat``: one row per interaction that no
+        spliced child continues (the leaves, when every turn was spliced) — its full token
+        sequence with every assistant output on its spliced chain in the loss mask and their
+        logprobs/versions kept; prompt, tool and user tokens masked out. A child rendered from
+        scratch (the agent edited history) does not continue its parent's tokens, so its parent
+        ends a row of its own. Each row's reward is its end interaction's discounted reward.
+        """
+        if style not in ("individual", "concat"):
+            raise ValueError(f"export style must be 'individual' or 'concat', got {style!r}")
+        rewards = self.discounted_rewards(discount)
+        with self._lock:
+            items = list(self._items.values())
+            if style == "individual":
+                return {it.id: self._row(it, [], rewards[it.id]) for it in items}
+            continued = {it.parent_id for it in items if it.spliced}
+            return {
+                it.id: self._row(it, it.extra.get("spans", []), rewards[it.id])
+                for it in items
+                if it.id not in continued
+            }
+
+    def _row(
+        self, it: Interaction, spans: list[tuple[int, int, str]], reward: float
+    ) -> dict[str, Any]:
+        n_prompt, n_out = len(it.prompt_ids), len(it.output_ids)
+        loss_mask = [0] * n_prompt + [1] * n_out
+        logprobs = [0.0] * n_prompt + list(it.output_logprobs)
+        versions = [-1] * n_prompt + list(it.output_versions)
+        for start, length, ancestor_id in spans:
+            anc = self._items[ancestor_id]
+            loss_mask[start : start + length] = [1] * length
+            logprobs[start : start + length] = anc.output_logprobs
+            versions[start : start + length] = anc.output_versions
+        return {
+            "input_ids": [*it.prompt_ids, *it.output_ids],
+            "loss_mask": loss_mask,
+            "logprobs": [float(x) for x in logprobs],
+            "versions": [int(v) for v in versions],
+            "reward": float(reward),
+        }
+
+
+def to_tensor_dict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Right-padded batch of export rows (in the dict's order).
+
+    Keys: ``input_ids`` int64 [B, L] (padding 0), ``attention_mask`` bool, ``loss_mask`` int32,
+    ``logprobs`` float32 (0 on prompt and padding), ``versions`` int32 (-1 on prompt and
+    padding), ``rewards`` float32 [B]. ``ValueError`` for no rows or misaligned row lists.
+    """
+    import torch
+
+    if not rows:
+        raise ValueError("to_tensor_dict needs at least one row")
+    values = list(rows.values())
+    for row_id, row in rows.items():
+        n = len(row["input_ids"])
+        if any(len(row[k]) != n for k in ("loss_mask", "logprobs", "versions")):
+            raise ValueError(
+                f"row {row_id!r}: input_ids/loss_mask/logprobs/versions lengths differ"
+            )
+    batch, length = len(values), max(len(r["input_ids"]) for r in values)
+    out = {
+        "input_ids": torch.zeros(batch, length, dtype=torch.int64),
+        "attention_mask": torch.zeros(batch, length, dtype=torch.bool),
+        "loss_mask": torch.zeros(batch, length, dtype=torch.int32),
+        "logprobs": torch.zeros(batch, length, dtype=torch.float32),
+        "versions": torch.full((batch, length), -1, dtype=torch.int32),
+        "rewards": torch.tensor([float(r["reward"]) for r in values], dtype=torch.float32),
+    }
+    for b, row in enumerate(values):
+        n = len(row["input_ids"])
+        out["input_ids"][b, :n] = torch.tensor(row["input_ids"], dtype=torch.int64)
+        out["attention_mask"][b, :n] = True
+        out["loss_mask"][b, :n] = torch.tensor(row["loss_mask"], dtype=torch.int32)
+        out["logprobs"][b, :n] = torch.tensor(row["logprobs"], dtype=torch.float32)
+        out["versions"][b, :n] = torch.tensor(row["versions"], dtype=torch.int32)
+    return out

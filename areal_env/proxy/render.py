@@ -1,0 +1,426 @@
+"""Chat-template rendering, token-exact multi-turn splicing and output parsing.
+
+The proxy must train on exactly the tokens the model saw and produced. Re-rendering a whole
+conversation each turn would re-tokenize earlier model outputs, and a BPE tokenizer often
+splits the same text differently from how the model generated it. So a turn that extends an
+earlier completion (its parent) is built as::
+
+    parent.prompt_ids + parent.output_ids + end-of-turn glue + tokens(new messages) + gen prompt
+
+where only the glue and the new messages' text are tokenized. The new messages' text is the
+template's own rendering of them in context: the full conversation is rendered, the rendering of
+the parent's part is cut off, and only the rest is tokenized.
+
+Templates that ignore ``tools`` (plain ChatML, as SmolLM2's) get the tool definitions, the call
+format and a worked example in the system prompt, written by the tool-parser family; earlier
+assistant calls and tool results are rendered in that same format (results as
+``<tool_response>`` blocks in a user turn).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from areal_env.proxy.tool_parsers import (
+    ToolParser,
+    detect_tool_parser,
+    function_specs,
+    get_tool_parser,
+    normalize_arguments,
+    tool_choice_name,
+)
+
+if TYPE_CHECKING:
+    from areal_env.proxy.cache import Interaction
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_SENTINEL = "\u2063SPLICE-SENTINEL\u2063"
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_tool_zq",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+]
+
+
+class RenderError(ValueError):
+    """Messages the template cannot render (bad roles/parts, template errors); HTTP 400."""
+
+
+@dataclass
+class ParsedOutput:
+    """A completion turned into an OpenAI-style assistant message."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    """``stop`` | ``length`` | ``tool_calls``."""
+    tool_parse_error: bool = False
+    """The text looked like a tool call but could not be parsed (returned as content)."""
+    reasoning: str | None = None
+    """Text inside a leading ``<think>...</think>`` block, if the model wrote one."""
+    text: str = ""
+    """The full generated text (with any prefilled call start), for logs and debugging."""
+
+    def to_message(self) -> dict[str, Any]:
+        """The OpenAI assistant message (what the cache stores as ``output_message``)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """Content (None, str or list of text parts) as text; RenderError for non-text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            elif isinstance(part, dict) and isinstance(part.get("content"), (str, list)):
+                pieces.append(_text_of(part["content"], where))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RenderError(f"{where}: content part of type {kind!r} is not supported")
+        return "\n".join(pieces)
+    raise RenderError(f"{where}: content must be a string, null or a list of text parts")
+
+
+class ChatRenderer:
+    """Renders OpenAI-format messages to token ids with the tokenizer's chat template.
+
+    ``tool_parser``: a family name (``hermes``, ``qwen``, ``llama3``, ``mistral``, ``none``) or
+    ``auto`` (detected from the template). The instance is stateless after construction and
+    safe to share between threads and sessions.
+    """
+
+    def __init__(self, tokenizer: Any, tool_parser: str = "auto"):
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("the tokenizer has no chat template; the proxy needs one")
+        if isinstance(template, dict):  # several named templates: use the default one
+            template = template.get("default") or next(iter(template.values()))
+        self.chat_template: str = template
+        self.tool_parser_name = (
+            detect_tool_parser(template) if tool_parser == "auto" else tool_parser.lower()
+        )
+        self.parser: ToolParser = get_tool_parser(self.tool_parser_name)
+        self.native_tools = self._template_renders_tools()
+        # A template with native <tool_call> support expects one object per tag.
+        self._format: ToolParser = (
+            get_tool_parser("qwen")
+            if self.native_tools and self.tool_parser_name == "hermes"
+            else self.parser
+        )
+        self.end_of_turn = self._detect_end_of_turn()
+        self.stop_token_ids: list[int] = self._detect_stop_ids()
+        self._strip_texts = [
+            t for t in getattr(tokenizer, "all_special_tokens", []) if t and t.strip()
+        ]
+        logger.info(
+            "chat renderer: tool parser %s, tools %s, end of turn %r, stop ids %s",
+            self.tool_parser_name,
+            "rendered by the template" if self.native_tools else "injected into the system prompt",
+            self.end_of_turn,
+            self.stop_token_ids,
+        )
+
+    # ---- template probing ------------------------------------------------------------------
+    def _apply(self, messages: list[dict[str, Any]], tools: Any, gen: bool) -> str:
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+        except Exception as exc:  # jinja TemplateError, TypeError on None content, ...
+            raise RenderError(f"chat template failed to render the messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise RenderError("chat template did not return text")
+        return text
+
+    def _template_renders_tools(self) -> bool:
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            return self._apply(probe, _PROBE_TOOLS, True) != self._apply(probe, None, True)
+        except RenderError:
+            return False
+
+    def _detect_end_of_turn(self) -> str:
+        eos = getattr(self.tokenizer, "eos_token", None) or ""
+        try:
+            text = self._apply(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}],
+                None,
+                False,
+            )
+        except RenderError:
+            return eos
+        idx = text.rfind(_SENTINEL)
+        return text[idx + len(_SENTINEL) :] if idx >= 0 else eos
+
+    def _detect_stop_ids(self) -> list[int]:
+        ids: list[int] = []
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.append(eos)
+        elif isinstance(eos, list):
+            ids.extend(int(i) for i in eos)
+        if self.end_of_turn.strip():
+            first = self._encode(self.end_of_turn.strip())[:1]
+            special = set(getattr(self.tokenizer, "all_special_ids", []))
+            added = set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {})
+            if first and (first[0] in special or first[0] in added) and first[0] not in ids:
+                ids.append(first[0])
+        return ids
+
+    # ---- message preparation ---------------------------------------------------------------
+    def _offered_tools(self, tools: Any, tool_choice: Any) -> list[dict[str, Any]]:
+        if tool_choice == "none" or self.tool_parser_name == "none":
+            return []
+        specs = function_specs(tools)
+        return [{"type": "function", "function": s} for s in specs]
+
+    def _prepare(
+        self, messages: list[dict[str, Any]], tools: Any, tool_choice: Any
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Messages and tools as the template should see them."""
+        if not isinstance(messages, list) or not messages:
+            raise RenderError("messages must be a non-empty list")
+        offered = self._offered_tools(tools, tool_choice)
+        out: list[dict[str, Any]] = []
+        pending_results: list[str] = []
+
+        def flush_results() -> None:
+            if pending_results:
+                out.append(
+                    {"role": "user", "content": self._format.format_tool_results(pending_results)}
+                )
+                pending_results.clear()
+
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+                role = msg.get("role") if isinstance(msg, dict) else None
+                raise RenderError(f"messages[{i}]: unsupported role {role!r}")
+            role = "system" if msg["role"] == "developer" else msg["role"]
+            text = _text_of(msg.get("content"), f"messages[{i}]")
+            calls = [self._call_of(c, i) for c in msg.get("tool_calls") or []]
+            if self.native_tools:
+                prepared: dict[str, Any] = {"role": role, "content": text}
+                if role == "assistant" and calls:
+                    prepared["tool_calls"] = [
+                        {
+                            "id": c["id"],
+                            "type": "function",
+                            "function": {"name": c["name"], "arguments": c["object"]},
+                        }
+                        for c in calls
+                    ]
+                if role == "tool" and msg.get("tool_call_id"):
+                    prepared["tool_call_id"] = msg["tool_call_id"]
+                if msg.get("name") and role == "tool":
+                    prepared["name"] = msg["name"]
+                out.append(prepared)
+                continue
+            if role == "tool":
+                pending_results.append(text)
+                continue
+            flush_results()
+            if role == "assistant" and calls:
+                formatted = self._format.format_calls(calls)
+                text = f"{text}\n{formatted}" if text.strip() else formatted
+            out.append({"role": role, "content": text})
+        flush_results()
+
+        if self.native_tools:
+            return out, offered or None
+        instructions = self._format.instructions(offered, tool_choice) if offered else ""
+        if instructions:
+            if out[0]["role"] == "system":
+                base = out[0]["content"]
+                out[0] = {
+                    "role": "system",
+                    "content": f"{base}\n\n{instructions}" if base.strip() else instructions,
+                }
+            else:
+                out.insert(0, {"role": "system", "content": instructions})
+        return out, None
+
+    @staticmethod
+    def _call_of(call: Any, i: int) -> dict[str, Any]:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RenderError(f"messages[{i}]: tool_calls entries need function.name")
+        raw = fn.get("arguments")
+        normalized = normalize_arguments(raw)
+        obj: Any = json.loads(normalized) if normalized is not None else raw
+        return {"id": call.get("id") or "", "name": fn["name"], "arguments": raw, "object": obj}
+
+    # ---- public rendering ------------------------------------------------------------------
+    def render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any = None,
+        tool_choice: Any = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text (without any prefill) for ``messages``."""
+        prepared, template_tools = self._prepare(messages, tools, tool_choice)
+        return self._apply(prepared, template_tools, add_generation_prompt)
+
+    def prefill_text(self, tools: Any = None, tool_choice: Any = None) -> str:
+        """The start of a tool call forced into the prompt for ``required``/named tool_choice.
+
+        Deterministic, so ``parse_output`` recomputes it instead of keeping per-request state.
+        """
+        offered = self._offered_tools(tools, tool_choice)
+        if not offered:
+            return ""
+        forced = tool_choice_name(tool_choice)
+        if forced and forced in {t["function"]["name"] for t in offered}:
+            return self._format.prefill(forced)
+        if tool_choice == "required":
+            return self._format.prefill(None)
+        return ""
+
+    def render_prompt(
+        self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None
+    ) -> list[int]:
+        """Token ids of the whole conversation rendered from scratch, with generation prompt."""
+        text = self.render_text(messages, tools, tool_choice) + self.prefill_text(
+            tools, tool_choice
+        )
+        return self._encode(text)
+
+    def render_extension(
+        self,
+        parent: Interaction,
+        new_messages: list[dict[str, Any]],
+        tools: Any = None,
+        tool_choice: Any = None,
+    ) -> list[int]:
+        """Token ids for a turn extending ``parent``, reusing its exact prompt and output ids.
+
+        ``new_messages`` are the request's messages after ``parent.messages +
+        [parent.output_message]``. The system prompt (and tool instructions) stay those of the
+        parent's prompt. If the template renders earlier turns differently once more messages
+        follow (so no clean suffix exists), this logs a warning and renders from scratch; the
+        cache then records the child as not spliced.
+        """
+        prefix_msgs = [*parent.messages, parent.output_message]
+        full_msgs = [*prefix_msgs, *new_messages]
+        prefix = self.render_text(prefix_msgs, tools, tool_choice, add_generation_prompt=False)
+        full = self.render_text(full_msgs, tools, tool_choice, add_generation_prompt=True)
+        if not full.startswith(prefix):
+            logger.warning(
+                "chat template re-renders earlier turns when the conversation grows; "
+                "rendering interaction after %s from scratch",
+                parent.id,
+            )
+            return self.render_prompt(full_msgs, tools, tool_choice)
+        suffix = full[len(prefix) :] + self.prefill_text(tools, tool_choice)
+        return [
+            *parent.prompt_ids,
+            *parent.output_ids,
+            *self.glue_ids(parent.output_ids),
+            *self._encode(suffix),
+        ]
+
+    def glue_ids(self, output_ids: list[int]) -> list[int]:
+        """Tokens that close the assistant turn after ``output_ids``.
+
+        If the output ended on a stop token that starts the template's end-of-turn text
+        (``<|im_end|>`` of ``<|im_end|>\\n``), only the rest (``\\n``) is added; otherwise (cut by
+        length, a stop string, ...) the whole end-of-turn text is.
+        """
+        glue = self.end_of_turn
+        if output_ids and output_ids[-1] in self.stop_token_ids:
+            tail = self.tokenizer.decode([output_ids[-1]], skip_special_tokens=False)
+            if tail and glue.startswith(tail):
+                glue = glue[len(tail) :]
+        return self._encode(glue) if glue else []
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- output parsing --------------------------------------------------------------------
+    def parse_output(
+        self,
+        output_ids: list[int],
+        stop_reason: str,
+        tools: Any = None,
+        tool_choice: Any = None,
+    ) -> ParsedOutput:
+        """Decode a completion and parse its tool calls; never raises on model output.
+
+        Pass the request's ``tool_choice`` when it was ``required``/named so the prefilled call
+        start is parsed with the output. Calls are parsed only when tools were offered. Calls
+        naming tools that were not offered are still returned (the agent decides).
+        ``finish_reason``: ``tool_calls`` when calls were parsed, ``length`` when the output was
+        cut (by length or an abort), else ``stop``.
+        """
+        ids = list(output_ids)
+        while ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        text = self.prefill_text(tools, tool_choice) + self.tokenizer.decode(
+            ids, skip_special_tokens=False
+        )
+        reasoning = None
+        body = text
+        stripped = body.lstrip()
+        if stripped.startswith("<think>") and "</think>" in stripped:
+            inner, body = stripped[len("<think>") :].split("</think>", 1)
+            reasoning = inner.strip() or None
+            body = body.lstrip()
+        calls: list[dict[str, str]] = []
+        error = False
+        content: str | None = body
+        if self._offered_tools(tools, tool_choice):
+            content, calls, error = self.parser.safe_parse(body)
+        content = self._clean(content or "")
+        truncated = stop_reason in ("length", "abort")
+        if calls:
+            finish = "tool_calls"
+        else:
+            finish = "length" if truncated else "stop"
+        return ParsedOutput(
+            content=(content or None) if calls else content,
+            tool_calls=[
+                {
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for c in calls
+            ],
+            finish_reason=finish,
+            tool_parse_error=error,
+            reasoning=reasoning,
+            text=text,
+        )
+
+    def _clean(self, text: str) -> str:
+        for tok in self._strip_texts:
+            if tok in text:
+                text = text.replace(tok, "")
+        return text

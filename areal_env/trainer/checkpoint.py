@@ -1,0 +1,136 @@
+"""Checkpoints: ``run_dir/checkpoints/step_{N}/`` holds an HF model folder (``model/``), the
+optimiser state and the trainer state (step, epoch, data position, RNG states, version).
+
+Written atomically — into a temporary folder renamed into place, then the ``latest`` pointer file
+replaced — so a run killed mid-save leaves the previous checkpoint intact and never a half one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng_state.pt"
+OPTIM_FILE = "optimizer.pt"
+MODEL_DIR = "model"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    ckpt_root: str | os.PathLike[str],
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any | None,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it."""
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=root))
+    try:
+        model.save_pretrained(str(tmp / MODEL_DIR), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIM_FILE)
+        torch.save(rng_state(), tmp / RNG_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(final.name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    logger.info("checkpoint saved: %s", final)
+    if keep_last:
+        _prune(root, keep_last, final.name)
+    return final
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    steps = sorted(
+        (p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1])
+    )
+    for p in steps[:-keep]:
+        if p.name != current:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root: str | os.PathLike[str]) -> Path | None:
+    """The folder ``latest`` points at, if it is complete; else the newest complete step_N."""
+    root = Path(ckpt_root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        cand = root / pointer.read_text().strip()
+        if (cand / STATE_FILE).is_file():
+            return cand
+    complete = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    if not complete:
+        return None
+    return max(complete, key=lambda p: int(p.name.split("_")[1]))
+
+
+def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def restore_checkpoint(
+    ckpt: Path, *, model: Any, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Load weights, optimiser and RNG states in place; return the trainer state."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted((ckpt / MODEL_DIR).glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # Tied weights (e.g. lm_head = embed_tokens) are saved once; anything else missing is an error.
+    tied = {k for k in missing if "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"checkpoint {ckpt} does not match the model: missing={sorted(set(missing) - tied)[:5]} "
+            f"unexpected={sorted(unexpected)[:5]}"
+        )
+    if optimizer is not None and (ckpt / OPTIM_FILE).is_file():
+        optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=False))
+    if (ckpt / RNG_FILE).is_file():
+        set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=False))
+    return load_trainer_state(ckpt)

@@ -1,0 +1,169 @@
+"""Observability: per-step metrics (JSONL + TensorBoard), a progress bar, the reward-curve PNG and
+trajectory dumps.
+
+Files under ``run_dir`` (= ``fileroot/experiment/trial``):
+- ``metrics.jsonl``: one JSON object per training step (keys documented in docs/training.md);
+- ``tensorboard/``: the same scalars, when ``trainer.tensorboard`` is on;
+- ``reward_curve.png``: reward mean (± std band) per step, refreshed every step;
+- ``rollout/{version}/{task_id}.jsonl``: one line per completion of the episodes of that item
+  that ran on weights ``version`` (``rollout.dump_to_file``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item") and callable(v.item):
+        try:
+            v = v.item()
+        except (ValueError, RuntimeError):
+            return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    """Appends a JSON line per step and mirrors numeric values to TensorBoard."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except Exception as e:  # tensorboard missing or broken: metrics.jsonl still works
+                logger.warning("TensorBoard disabled: %s", e)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint (they will be redone)."""
+        if not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue
+        self.path.write_text("".join(x + "\n" for x in keep))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class Progress:
+    """A tqdm bar over training steps showing reward and step time (no-op when disabled)."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step")
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        post = {}
+        if metrics.get("reward/mean") is not None:
+            post["reward"] = f"{metrics['reward/mean']:.3f}"
+        if metrics.get("time/step_s") is not None:
+            post["step_s"] = f"{metrics['time/step_s']:.1f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path | None:
+    """Reward mean (± std) per step to a PNG (matplotlib, Agg backend). None if no rewards."""
+    pts = [
+        (r["step"], r["reward/mean"], r.get("reward/std") or 0.0)
+        for r in records
+        if r.get("reward/mean") is not None
+    ]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    steps = [p[0] for p in pts]
+    mean = [p[1] for p in pts]
+    std = [p[2] for p in pts]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, mean, marker="o", label="reward mean")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+    )
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward")
+    ax.set_title("reward per training step (mean ± std over the batch)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    out = Path(path)
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def dump_records(root: str | os.PathLike[str], records: list[dict[str, Any]]) -> list[Path]:
+    """Append ``records`` to ``root/{version}/{task_id}.jsonl``; each record carries its own
+    ``version`` and ``task_id`` keys. Returns the files written."""
+    by_file: dict[Path, list[str]] = {}
+    base = Path(root)
+    for rec in records:
+        task = _safe_name(str(rec.get("task_id", "unknown")))
+        path = base / str(rec.get("version", 0)) / f"{task}.jsonl"
+        by_file.setdefault(path, []).append(json.dumps(rec, default=str))
+    for path, lines in by_file.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write("".join(x + "\n" for x in lines))
+    return list(by_file)
+
+
+def _safe_name(name: str) -> str:
+    bad = '/\\:*?"<>| \t\n'
+    out = "".join("_" if c in bad else c for c in name).strip(".")
+    return out[:128] or "unknown"

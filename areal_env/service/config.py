@@ -1,0 +1,104 @@
+"""``ServiceConfig``: the any-agent training service (gateway, auth, backends, trajectory export).
+
+Kept apart from ``areal_env.api.config`` so the service can evolve on its own; the experiment
+config attaches it as its ``service:`` section. Plain dataclass, loaded by the same loader
+(``config_from_dict(ServiceConfig, {...})``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from areal_env.api.config import ConfigError
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost`` (the only hosts served without user keys)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class ServiceConfig:
+    """The public gateway users point ``OPENAI_BASE_URL`` at."""
+
+    host: str = "127.0.0.1"
+    """Bind address. A non-loopback address needs user keys (``api_keys`` or ``key_file``)."""
+    port: int = 0
+    """0 = pick a free port."""
+    api_keys: list[str] = field(default_factory=list)
+    """User API keys accepted as ``Authorization: Bearer KEY`` (or ``x-api-key``)."""
+    key_file: str | None = None
+    """A file with one user key per line (``#`` comments allowed), read at start."""
+    admin_key: str | None = None
+    """Service admin key (issues user keys via ``POST /admin/keys``); None = generated."""
+    max_sessions_per_key: int = 64
+    """Concurrent open sessions per user key; past it ``POST /rl/v1/sessions`` answers 429."""
+    session_ttl: float = 3600.0
+    """Seconds an idle session lives before it is failed and closed."""
+    health_interval: float = 5.0
+    """Seconds between health probes of each proxy backend."""
+    health_timeout: float = 5.0
+    health_failures: int = 2
+    """Consecutive failed probes before a backend leaves the rotation (a refused connection
+    while forwarding removes it at once)."""
+    num_proxies: int = 1
+    """Proxy instances started by ``serve-training`` (one per inference group)."""
+    discount: float | None = None
+    """Reward discount along the conversation tree at export; None = ``rollout.discount``."""
+    export_style: Literal["individual", "concat"] | None = None
+    """Export style; None = ``rollout.export_style``."""
+    group_timeout: float = 1800.0
+    """Seconds an incomplete GRPO group may wait for members before it is used as it is."""
+    request_timeout: float = 3600.0
+    """Read timeout of forwarded model calls (generation can be slow)."""
+    ssl_keyfile: str | None = None
+    """TLS private key (PEM) passed to uvicorn; with ``ssl_certfile`` the service speaks https."""
+    ssl_certfile: str | None = None
+
+    def validate(self) -> None:
+        if not (0 <= self.port < 65536):
+            raise ConfigError(f"service.port={self.port!r} must be in [0, 65535]")
+        if self.max_sessions_per_key < 1:
+            raise ConfigError(
+                f"service.max_sessions_per_key={self.max_sessions_per_key!r} must be >= 1"
+            )
+        if self.num_proxies < 1:
+            raise ConfigError(f"service.num_proxies={self.num_proxies!r} must be >= 1")
+        for name in ("session_ttl", "health_interval", "health_timeout", "group_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"service.{name}={getattr(self, name)!r} must be > 0")
+        if self.health_failures < 1:
+            raise ConfigError(f"service.health_failures={self.health_failures!r} must be >= 1")
+        if self.discount is not None and not (0.0 <= self.discount <= 1.0):
+            raise ConfigError(f"service.discount={self.discount!r} must be in [0, 1]")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("service.ssl_keyfile and service.ssl_certfile go together")
+        if self.key_file is not None and not Path(self.key_file).is_file():
+            raise ConfigError(f"service.key_file={self.key_file!r} does not exist")
+        if not is_loopback(self.host) and not (self.api_keys or self.key_file):
+            raise ConfigError(
+                f"service.host={self.host!r} is not a loopback address: configure user keys "
+                "(service.api_keys or service.key_file) before serving on a network"
+            )
+
+    def load_keys(self) -> list[str]:
+        """The configured user keys: ``api_keys`` plus the lines of ``key_file``."""
+        keys = [k for k in self.api_keys if k]
+        if self.key_file:
+            for line in Path(self.key_file).read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"

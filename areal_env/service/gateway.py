@@ -1,0 +1,817 @@
+"""The service gateway: the one public endpoint of the any-agent training service.
+
+It authenticates user keys, owns the session bookkeeping, and forwards model calls to the proxy
+backend that owns each session (session affinity). Users never see the proxies' admin or
+session keys: the gateway substitutes them. Forwarding is a thin streaming pass-through over
+``httpx`` (bodies and SSE streams are relayed chunk by chunk, never buffered); a generic reverse
+proxy library would not know how to swap keys per session, which is the one thing needed here.
+
+A model call names its session with the ``X-Areal-Session`` header (``AgentSession`` adds it),
+or, for agents that can set nothing but an API key, with the key ``USER_KEY:SESSION_ID``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
+from areal_env.service.backends import Backend, BackendPool, NoBackendError
+from areal_env.service.client import SESSION_HEADER
+from areal_env.service.config import ServiceConfig, is_loopback
+
+logger = logging.getLogger(__name__)
+
+_DROP_REQUEST_HEADERS = {
+    "host",
+    "content-length",
+    "authorization",
+    "x-api-key",
+    SESSION_HEADER.lower(),
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "accept-encoding",
+    "cookie",
+}
+_DROP_RESPONSE_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "content-encoding",
+    "date",
+    "server",
+}
+_TOMBSTONE_SECONDS = 600.0
+
+
+class ServiceError(Exception):
+    """An error answered to the client with ``status`` in the endpoint's own error format."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class GatewaySession:
+    """A user's session, owned by one backend."""
+
+    id: str
+    user: UserKey
+    backend: Backend
+    backend_session_id: str
+    session_key: str = field(repr=False)
+    group_id: str | None = None
+    task_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    state: str = "open"
+    """open | finalizing | done | failed"""
+    error: str | None = None
+    inflight: int = 0
+
+
+def _error_body(path: str, status: int, message: str, kind: str) -> dict[str, Any]:
+    if path.startswith("/v1/messages"):
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _kind_for(status: int) -> str:
+    return {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        409: "conflict_error",
+        410: "session_ended",
+        429: "rate_limit_error",
+        502: "bad_gateway",
+        503: "service_unavailable",
+    }.get(status, "invalid_request_error")
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    key = request.headers.get("x-api-key")
+    return key.strip() if key else None
+
+
+class Gateway:
+    """State and logic of the gateway; ``app`` serves it. Runs on one event loop."""
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        backends: list[tuple[str, str]] | None = None,
+        source: Any | None = None,
+        discount: float = 1.0,
+        export_style: str = "individual",
+        keys: KeyStore | None = None,
+        anonymous_sessions: bool = False,
+    ) -> None:
+        self.config = config
+        configured = config.load_keys()
+        self.keys = keys or KeyStore(
+            configured,
+            admin_key=config.admin_key,
+            max_sessions_per_key=config.max_sessions_per_key,
+        )
+        self.open_mode = not configured and keys is None
+        if self.open_mode and not is_loopback(config.host):
+            raise ValueError("refusing to serve a non-loopback address without user keys")
+        self.pool = BackendPool(failures_to_down=config.health_failures)
+        for base_url, admin_key in backends or []:
+            self.pool.add(base_url, admin_key)
+        self.source = source
+        self.discount = config.discount if config.discount is not None else discount
+        self.export_style = config.export_style or export_style
+        self.anonymous_sessions = anonymous_sessions
+        self.sessions: dict[str, GatewaySession] = {}
+        self.counters: dict[str, int] = {
+            "sessions_started": 0,
+            "sessions_finalized": 0,
+            "sessions_failed": 0,
+            "requests_forwarded": 0,
+        }
+        self._http: httpx.AsyncClient | None = None
+        self.app = self._build_app()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=5.0, read=self.config.request_timeout, write=60.0, pool=None
+                ),
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    def _authenticate(self, request: Request) -> tuple[UserKey, str | None]:
+        """The caller's key (→ user) and a session id carried in the key, if any."""
+        token = _bearer(request)
+        user = self.keys.lookup(token)
+        session_in_key = None
+        if user is None and token and ":" in token:
+            key, _, session_in_key = token.rpartition(":")
+            user = self.keys.lookup(key)
+            token = key
+        if user is None and self.open_mode:
+            user = self.keys.add(token or "anonymous")
+        if user is None:
+            raise ServiceError(
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>)",
+                "authentication_error",
+            )
+        return user, session_in_key or None
+
+    def _session(self, user: UserKey, session_id: str | None) -> GatewaySession:
+        if not session_id:
+            raise ServiceError(
+                400,
+                f"no session: send the {SESSION_HEADER} header (or use the key "
+                "'<api_key>:<session_id>'); create one with POST /rl/v1/sessions",
+            )
+        sess = self.sessions.get(session_id)
+        if sess is None or sess.user is not user:
+            raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
+        if sess.state == "failed":
+            raise ServiceError(
+                503,
+                f"session {session_id} has failed ({sess.error}); start a new session",
+                "service_unavailable",
+            )
+        if sess.state != "open":
+            raise ServiceError(409, f"session {session_id} is already finalized", "conflict_error")
+        sess.last_used = time.monotonic()
+        return sess
+
+    def _session_id(
+        self, request: Request, in_key: str | None, body: dict | None = None
+    ) -> str | None:
+        return (
+            request.headers.get(SESSION_HEADER)
+            or in_key
+            or ((body or {}).get("session_id") if isinstance(body, dict) else None)
+        )
+
+    def _fail_session(self, sess: GatewaySession, reason: str) -> None:
+        if sess.state in ("done", "failed"):
+            return
+        sess.state = "failed"
+        sess.error = reason
+        sess.last_used = time.monotonic()
+        self.keys.release(sess.user)
+        sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
+        self.counters["sessions_failed"] += 1
+        if self.source is not None and hasattr(self.source, "put_failed"):
+            self.source.put_failed(sess.group_id, reason)
+
+    def _backend_down(self, backend: Backend, error: str, *, conclusive: bool) -> None:
+        if self.pool.mark_failure(backend, error, conclusive=conclusive):
+            reason = f"its backend {backend.name} went down"
+            for sess in list(self.sessions.values()):
+                if sess.backend is backend and sess.state in ("open", "finalizing"):
+                    self._fail_session(sess, reason)
+
+    async def _admin_post(self, backend: Backend, path: str, payload: dict) -> httpx.Response:
+        try:
+            return await self.http.post(
+                backend.base_url + path,
+                json=payload,
+                headers={"Authorization": f"Bearer {backend.admin_key}"},
+            )
+        except httpx.TransportError as e:
+            self._backend_down(
+                backend,
+                f"{type(e).__name__} on {path}",
+                conclusive=isinstance(e, httpx.ConnectError),
+            )
+            raise ServiceError(
+                503, f"backend {backend.name} is unreachable", "service_unavailable"
+            ) from e
+
+    async def _session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
+        try:
+            return await self.http.post(
+                sess.backend.base_url + path,
+                json=payload,
+                headers={"Authorization": f"Bearer {sess.session_key}"},
+            )
+        except httpx.TransportError as e:
+            self._backend_down(
+                sess.backend,
+                f"{type(e).__name__} on {path}",
+                conclusive=isinstance(e, httpx.ConnectError),
+            )
+            raise ServiceError(
+                503, f"the backend of session {sess.id} is unreachable", "service_unavailable"
+            ) from e
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def start_session(
+        self,
+        user: UserKey,
+        *,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        metadata: dict | None = None,
+    ) -> GatewaySession:
+        try:
+            self.keys.acquire(user)
+        except QuotaExceededError as e:
+            raise ServiceError(429, str(e), "rate_limit_error") from e
+        try:
+            return await self._start_on_backend(user, group_id, task_id, metadata or {})
+        except BaseException:
+            self.keys.release(user)
+            raise
+
+    async def _start_on_backend(
+        self, user: UserKey, group_id: str | None, task_id: str | None, metadata: dict
+    ) -> GatewaySession:
+        try:
+            candidates = self.pool.candidates()
+        except NoBackendError as e:
+            raise ServiceError(503, str(e), "service_unavailable") from e
+        payload = {"group_id": group_id, "task_id": task_id, "metadata": metadata}
+        last: ServiceError | None = None
+        for backend in candidates:
+            try:
+                resp = await self._admin_post(backend, "/rl/start_session", payload)
+            except ServiceError as e:
+                last = e
+                continue
+            if resp.status_code == 429:
+                last = ServiceError(
+                    429, "no rollout capacity right now; retry later", "rate_limit_error"
+                )
+                continue
+            if resp.status_code >= 400:
+                last = ServiceError(
+                    502,
+                    f"backend {backend.name} refused the session ({resp.status_code})",
+                    "bad_gateway",
+                )
+                continue
+            data = resp.json()
+            sess = GatewaySession(
+                id="sess-" + secrets.token_urlsafe(16),
+                user=user,
+                backend=backend,
+                backend_session_id=data["session_id"],
+                session_key=data["api_key"],
+                group_id=group_id,
+                task_id=task_id,
+                metadata=metadata,
+            )
+            backend.open_sessions += 1
+            self.sessions[sess.id] = sess
+            self.counters["sessions_started"] += 1
+            logger.info(
+                "session %s (key %s, group %s) on %s", sess.id, user.key_id, group_id, backend.name
+            )
+            return sess
+        assert last is not None
+        raise last
+
+    async def set_reward(
+        self, sess: GatewaySession, reward: float, completion_id: str | None
+    ) -> dict:
+        payload: dict[str, Any] = {"reward": float(reward)}
+        if completion_id:
+            payload["interaction_id"] = completion_id
+        resp = await self._session_post(sess, "/rl/set_reward", payload)
+        if resp.status_code >= 400:
+            raise ServiceError(
+                resp.status_code, _backend_message(resp), _kind_for(resp.status_code)
+            )
+        return {"session_id": sess.id, "completion_id": completion_id, "reward": float(reward)}
+
+    async def finalize(self, sess: GatewaySession, final_reward: float | None, status: str) -> dict:
+        """Reward, end, export and hand the trajectory to the source (or record a failure)."""
+        sess.state = "finalizing"
+        reason = "finalized as failed by the client"
+        try:
+            if status == "ok" and final_reward is not None:
+                payload = {"reward": float(final_reward)}
+                resp = await self._session_post(sess, "/rl/set_reward", payload)
+                if resp.status_code == 404:
+                    status, reason = "failed", "the session made no completions"
+                elif resp.status_code >= 400:
+                    code = resp.status_code
+                    raise ServiceError(code, _backend_message(resp), _kind_for(code))
+            resp = await self._session_post(sess, "/rl/end_session", {})
+            if resp.status_code >= 400 and resp.status_code not in (409, 410):
+                msg = f"ending the session failed: {_backend_message(resp)}"
+                raise ServiceError(502, msg, "bad_gateway")
+            if status != "ok":
+                self._fail_session(sess, reason)
+                return {"session_id": sess.id, "status": "failed", "reason": sess.error}
+            payload = {
+                "session_id": sess.backend_session_id,
+                "discount": self.discount,
+                "style": self.export_style,
+            }
+            resp = await self._admin_post(sess.backend, "/export_trajectories", payload)
+            if resp.status_code >= 400:
+                raise ServiceError(502, f"export failed: {_backend_message(resp)}", "bad_gateway")
+            export = resp.json()
+            if not export.get("trajectories"):
+                self._fail_session(sess, "the session made no completions")
+                return {"session_id": sess.id, "status": "failed", "reason": sess.error}
+        except BaseException as e:
+            if sess.state == "finalizing":
+                self._fail_session(sess, f"finalize failed: {e}")
+            raise
+        sess.state = "done"
+        sess.last_used = time.monotonic()
+        self.keys.release(sess.user)
+        sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
+        self.counters["sessions_finalized"] += 1
+        record = dict(
+            export,
+            session_id=sess.id,
+            group_id=sess.group_id,
+            task_id=sess.task_id,
+            user=sess.user.key_id,
+            metadata=sess.metadata,
+            final_reward=final_reward,
+            status="ok",
+        )
+        if self.source is not None:
+            self.source.put(record, sess.group_id)
+        return {
+            "session_id": sess.id,
+            "status": "ok",
+            "num_completions": len(export.get("interactions", [])),
+            "num_rows": len(export["trajectories"]),
+        }
+
+    # -- forwarding ------------------------------------------------------------------------
+
+    async def forward(
+        self, request: Request, sess: GatewaySession | None, backend: Backend, key: str
+    ) -> Response:
+        path = request.url.path
+        url = backend.base_url + path
+        if request.url.query:
+            url += "?" + request.url.query
+        headers = {
+            k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS
+        }
+        headers["authorization"] = f"Bearer {key}"
+        headers["x-api-key"] = key
+        headers["accept-encoding"] = "identity"
+        body = await request.body()
+        upstream = self.http.build_request(request.method, url, headers=headers, content=body)
+        if sess is not None:
+            sess.inflight += 1
+        try:
+            resp = await self.http.send(upstream, stream=True)
+        except httpx.TransportError as e:
+            if sess is not None:
+                sess.inflight -= 1
+            self._backend_down(
+                backend,
+                f"{type(e).__name__} forwarding {path}",
+                conclusive=isinstance(e, httpx.ConnectError),
+            )
+            who = f"session {sess.id}" if sess else "this request"
+            raise ServiceError(
+                503,
+                f"the backend of {who} is unavailable ({type(e).__name__}); the session has failed, start a new one",
+                "service_unavailable",
+            ) from e
+        self.counters["requests_forwarded"] += 1
+        out_headers = {
+            k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
+        }
+
+        async def body_iter():
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.TransportError as e:
+                logger.warning("stream from %s broke: %s", backend.name, type(e).__name__)
+                self._backend_down(backend, f"stream broke: {type(e).__name__}", conclusive=False)
+
+        async def done() -> None:
+            await resp.aclose()
+            if sess is not None:
+                sess.inflight -= 1
+                sess.last_used = time.monotonic()
+
+        return StreamingResponse(
+            body_iter(),
+            status_code=resp.status_code,
+            headers=out_headers,
+            background=BackgroundTask(done),
+        )
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    async def probe(self, backend: Backend) -> None:
+        try:
+            resp = await self.http.get(
+                backend.base_url + "/health", timeout=self.config.health_timeout
+            )
+            ok = resp.status_code == 200
+            error = f"/health answered {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, error = False, f"/health: {type(e).__name__}"
+        if ok:
+            self.pool.mark_ok(backend)
+        else:
+            self._backend_down(backend, error, conclusive=False)
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for sid, sess in list(self.sessions.items()):
+            idle = now - sess.last_used
+            if sess.state == "open" and sess.inflight == 0 and idle > self.config.session_ttl:
+                self._fail_session(sess, f"idle for more than {self.config.session_ttl:.0f} s")
+            elif sess.state in ("done", "failed") and idle > _TOMBSTONE_SECONDS:
+                del self.sessions[sid]
+
+    async def maintain(self) -> None:
+        """Background task: probe every backend, expire idle sessions; forever."""
+        while True:
+            await asyncio.gather(*(self.probe(b) for b in self.pool.all()), return_exceptions=True)
+            self.expire()
+            await asyncio.sleep(self.config.health_interval)
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="areal-env any-agent training service", docs_url=None, redoc_url=None)
+        gw = self
+
+        @app.exception_handler(ServiceError)
+        async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+            return JSONResponse(
+                _error_body(request.url.path, exc.status, exc.message, exc.kind),
+                status_code=exc.status,
+            )
+
+        async def json_body(request: Request) -> dict:
+            raw = await request.body()
+            if not raw:
+                return {}
+            try:
+                import json
+
+                data = json.loads(raw)
+            except ValueError as e:
+                raise ServiceError(400, f"body is not valid JSON: {e}") from e
+            if not isinstance(data, dict):
+                raise ServiceError(400, "body must be a JSON object")
+            return data
+
+        @app.get("/health")
+        async def health() -> dict:
+            healthy = len(gw.pool.healthy())
+            return {"status": "ok" if healthy else "degraded", "backends_healthy": healthy}
+
+        @app.post("/rl/v1/sessions")
+        async def create_session(request: Request) -> dict:
+            user, _ = gw._authenticate(request)
+            body = await json_body(request)
+            group_id = body.get("group_id")
+            task_id = body.get("task_id")
+            metadata = body.get("metadata") or {}
+            for name, value in (("group_id", group_id), ("task_id", task_id)):
+                if value is not None and not isinstance(value, str):
+                    raise ServiceError(400, f"{name} must be a string")
+            if not isinstance(metadata, dict):
+                raise ServiceError(400, "metadata must be an object")
+            sess = await gw.start_session(
+                user, group_id=group_id, task_id=task_id, metadata=metadata
+            )
+            return {"session_id": sess.id, "group_id": group_id, "task_id": task_id}
+
+        @app.get("/rl/v1/sessions/{session_id}")
+        async def session_status(session_id: str, request: Request) -> dict:
+            user, _ = gw._authenticate(request)
+            sess = gw.sessions.get(session_id)
+            if sess is None or sess.user is not user:
+                raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
+            return {
+                "session_id": sess.id,
+                "state": sess.state,
+                "error": sess.error,
+                "group_id": sess.group_id,
+                "task_id": sess.task_id,
+            }
+
+        @app.post("/rl/v1/set_reward")
+        async def set_reward(request: Request) -> dict:
+            user, in_key = gw._authenticate(request)
+            body = await json_body(request)
+            sess = gw._session(user, gw._session_id(request, in_key, body))
+            reward = _reward(body.get("reward"), "reward", required=True)
+            completion_id = body.get("completion_id") or body.get("interaction_id")
+            return await gw.set_reward(sess, reward, completion_id)
+
+        @app.post("/rl/v1/finalize")
+        async def finalize(request: Request) -> dict:
+            user, in_key = gw._authenticate(request)
+            body = await json_body(request)
+            sid = gw._session_id(request, in_key, body)
+            status = body.get("status", "ok")
+            if status not in ("ok", "failed"):
+                raise ServiceError(400, "status must be 'ok' or 'failed'")
+            final_reward = _reward(body.get("final_reward"), "final_reward", required=False)
+            existing = gw.sessions.get(sid) if sid else None
+            if (
+                existing is not None
+                and existing.user is user
+                and existing.state == "failed"
+                and status == "failed"
+            ):
+                return {"session_id": sid, "status": "failed", "reason": existing.error}
+            sess = gw._session(user, sid)
+            return await gw.finalize(sess, final_reward, status)
+
+        @app.post("/admin/keys")
+        async def issue_key(request: Request) -> dict:
+            if not gw.keys.is_admin(_bearer(request)):
+                raise ServiceError(401, "admin key required", "authentication_error")
+            body = await json_body(request)
+            max_sessions = body.get("max_sessions")
+            if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
+                raise ServiceError(400, "max_sessions must be a positive integer")
+            key, user = gw.keys.issue(name=body.get("name"), max_sessions=max_sessions)
+            logger.info("issued user key %s (%s)", user.key_id, user.name or "unnamed")
+            return {"api_key": key, "key_id": user.key_id, "max_sessions": user.max_sessions}
+
+        @app.get("/admin/status")
+        async def admin_status(request: Request) -> dict:
+            if not gw.keys.is_admin(_bearer(request)):
+                raise ServiceError(401, "admin key required", "authentication_error")
+            states: dict[str, int] = {}
+            for s in gw.sessions.values():
+                states[s.state] = states.get(s.state, 0) + 1
+            return {
+                "backends": [b.describe() for b in gw.pool.all()],
+                "sessions": states,
+                "counters": dict(gw.counters),
+            }
+
+        @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        async def model_call(path: str, request: Request) -> Response:
+            user, in_key = gw._authenticate(request)
+            sid = gw._session_id(request, in_key)
+            if sid is None and (
+                path == "models" or path.startswith("models/") or gw.anonymous_sessions
+            ):
+                return await gw.forward_sessionless(request, user)
+            sess = gw._session(user, sid)
+            if not sess.backend.healthy:
+                gw._fail_session(sess, f"its backend {sess.backend.name} went down")
+                gw._session(user, sid)  # raises the 503
+            return await gw.forward(request, sess, sess.backend, sess.session_key)
+
+        return app
+
+    async def forward_sessionless(self, request: Request, user: UserKey) -> Response:
+        """``/v1/models`` without a session, or inference-only serving (one session per call)."""
+        if not self.anonymous_sessions:
+            try:
+                backend = self.pool.candidates()[0]
+            except NoBackendError as e:
+                raise ServiceError(503, str(e), "service_unavailable") from e
+            return await self.forward(request, None, backend, backend.admin_key)
+        sess = await self.start_session(user)
+        try:
+            response = await self.forward(request, sess, sess.backend, sess.session_key)
+        except BaseException:
+            self._fail_session(sess, "request failed")
+            raise
+        inner = response.background
+
+        async def close() -> None:
+            if inner is not None:
+                await inner()
+            try:
+                await self._session_post(sess, "/rl/end_session", {})
+            except ServiceError:
+                pass
+            self._fail_session(sess, "inference-only request")  # never trained on
+            self.sessions.pop(sess.id, None)
+
+        response.background = BackgroundTask(close)
+        return response
+
+
+def _reward(value: Any, name: str, *, required: bool) -> float | None:
+    if value is None:
+        if required:
+            raise ServiceError(400, f"{name} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ServiceError(400, f"{name} must be a number")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ServiceError(400, f"{name} must be finite")
+    return value
+
+
+def _backend_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return f"backend answered {resp.status_code}"
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    if isinstance(data, dict) and data.get("detail"):
+        return str(data["detail"])
+    return f"backend answered {resp.status_code}"
+
+
+class GatewayServer:
+    """Runs a ``Gateway`` under uvicorn in a daemon thread with its own event loop."""
+
+    def __init__(
+        self,
+        config: ServiceConfig | None = None,
+        *,
+        backends: list[tuple[str, str]] | None = None,
+        source: Any | None = None,
+        discount: float = 1.0,
+        export_style: str = "individual",
+        anonymous_sessions: bool = False,
+    ) -> None:
+        self.config = config or ServiceConfig()
+        self.gateway = Gateway(
+            self.config,
+            backends=backends,
+            source=source,
+            discount=discount,
+            export_style=export_style,
+            anonymous_sessions=anonymous_sessions,
+        )
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self.port: int | None = None
+
+    @property
+    def app(self) -> FastAPI:
+        return self.gateway.app
+
+    @property
+    def admin_key(self) -> str:
+        return self.gateway.keys.admin_key
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the gateway is not started")
+        host = self.config.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        if ":" in shown:
+            shown = f"[{shown}]"
+        return f"{self.config.scheme}://{shown}:{self.port}"
+
+    def add_backend(self, base_url: str, admin_key: str, name: str | None = None) -> Backend:
+        return self.gateway.pool.add(base_url, admin_key, name)
+
+    def start(self, timeout: float = 30.0) -> GatewayServer:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        self.port = sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            ssl_keyfile=self.config.ssl_keyfile,
+            ssl_certfile=self.config.ssl_certfile,
+            timeout_keep_alive=30,
+        )
+        self._server = uvicorn.Server(uv_config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        ready = threading.Event()
+
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            maint = asyncio.create_task(self.gateway.maintain())
+            try:
+                await self._server.serve(sockets=[sock])
+            finally:
+                maint.cancel()
+                await asyncio.gather(maint, return_exceptions=True)
+                await self.gateway.aclose()
+
+        def run() -> None:
+            try:
+                asyncio.run(serve())
+            except BaseException as e:  # surfaced by start()
+                self._error = e
+            finally:
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="areal-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"gateway failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start in time")
+            time.sleep(0.02)
+        logger.info("gateway listening at %s", self.base_url)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

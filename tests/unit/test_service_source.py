@@ -1,0 +1,98 @@
+"""ExternalTrajectorySource: grouping across producers, waking on completion, staleness."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from areal_env.service.source import ExternalTrajectorySource, SourceClosedError
+
+
+def export(reward: float, version: int = 0, prompt: int = 3, out: int = 2, rows: int = 1) -> dict:
+    row = {
+        "input_ids": list(range(1, prompt + out + 1)),
+        "loss_mask": [0] * prompt + [1] * out,
+        "logprobs": [0.0] * prompt + [-0.5] * out,
+        "versions": [-1] * prompt + [version] * out,
+        "reward": reward,
+    }
+    return {"trajectories": {f"r{i}": dict(row) for i in range(rows)}, "interactions": []}
+
+
+async def test_groups_form_by_group_id_and_batch_has_executor_shape():
+    src = ExternalTrajectorySource(n_samples=2, batch_size=2, max_head_offpolicyness=0)
+    src.put(export(1.0), "a")
+    src.put(export(0.0), "b")
+    src.put(export(0.0, rows=2), "a")
+    assert src.num_ready_groups == 1
+    src.put(export(1.0), "b")
+    batch, stats = await src.rollout_batch(trainer_version=0, timeout=5)
+    assert batch is not None
+    assert batch["input_ids"].shape == (5, 5)
+    assert batch["group_ids"].tolist() == [0, 0, 0, 1, 1]
+    assert len(set(batch["traj_ids"].tolist())) == 4
+    assert batch["versions"][0].tolist() == [-1, -1, -1, 0, 0]
+    assert stats["groups/accepted"] == 2 and stats["episodes/accepted"] == 4
+    assert stats["reward/mean"] == pytest.approx(0.5)
+    assert len(src.last_episodes) == 4
+
+
+async def test_waits_without_polling_and_wakes_on_put_from_another_thread():
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1)
+    task = asyncio.create_task(src.rollout_batch(trainer_version=0))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+
+    def producer() -> None:
+        src.put(export(1.0))  # no group id: consecutive sessions form a group
+        time.sleep(0.05)
+        src.put(export(0.0))
+
+    t0 = time.monotonic()
+    threading.Thread(target=producer).start()
+    batch, stats = await asyncio.wait_for(task, 5)
+    assert time.monotonic() - t0 < 2
+    assert batch["group_ids"].tolist() == [0, 0]
+    assert stats["groups/zero_variance"] == 0
+
+
+async def test_stale_trajectories_and_failures_are_dropped_and_counted():
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1, max_head_offpolicyness=1)
+    src.put_failed("g", "agent crashed")  # does not count towards the group
+    src.put(export(1.0, version=1), "g")
+    src.put(export(0.0, version=3), "g")
+    batch, stats = await src.rollout_batch(trainer_version=3, timeout=5)
+    assert batch["input_ids"].shape[0] == 1  # version 1 is 2 behind 3 > 1
+    assert stats["rejected/stale"] == 1 and stats["rejected/failed"] == 1
+    assert stats["staleness/max"] == 0
+
+
+async def test_timeout_returns_none_and_incomplete_groups_expire():
+    src = ExternalTrajectorySource(n_samples=3, batch_size=1, group_timeout=0.3)
+    batch, _ = await src.rollout_batch(trainer_version=0, timeout=0.1)
+    assert batch is None
+    src.put(export(1.0), "x")
+    src.put(export(0.5), "x")
+    batch, stats = await src.rollout_batch(trainer_version=0, timeout=5)
+    assert batch["input_ids"].shape[0] == 2 and stats["groups/incomplete"] == 1
+
+
+async def test_close_wakes_waiters_and_cancel_keeps_groups():
+    src = ExternalTrajectorySource(n_samples=1, batch_size=2)
+    src.put(export(1.0), "kept")
+    task = asyncio.create_task(src.rollout_batch(trainer_version=0))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert src.num_ready_groups == 1
+    task = asyncio.create_task(src.rollout_batch(trainer_version=0))
+    await asyncio.sleep(0.05)
+    src.close()
+    with pytest.raises(SourceClosedError):
+        await asyncio.wait_for(task, 5)
+    with pytest.raises(SourceClosedError):
+        src.put(export(1.0))

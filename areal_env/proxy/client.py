@@ -1,0 +1,209 @@
+"""Client side of the RL session lifecycle (light imports only: httpx, no torch).
+
+``OpenAIProxyClient`` starts a session with the admin key and hands the agent a ``base_url`` and
+a session ``api_key`` for any OpenAI/Anthropic SDK; afterwards it sets rewards, ends the session
+and exports the captured trajectories::
+
+    await grant_capacity(base_url, admin_key, 1)
+    async with OpenAIProxyClient(base_url, admin_key, task_id="q1") as sess:
+        client = AsyncOpenAI(base_url=sess.openai_base_url, api_key=sess.api_key)
+        reply = await client.chat.completions.create(model="m", messages=[...])
+        await sess.set_reward(1.0, reply.id)
+        await sess.end()
+        data = await sess.export(discount=0.9)
+
+Transport failures and 502/503/504 answers are retried a bounded number of times with
+exponential backoff; any other error status raises :class:`ProxyClientError` with the server's
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUS = {502, 503, 504}
+
+
+class ProxyClientError(RuntimeError):
+    """The proxy refused a call; ``status`` is the HTTP status (0 for transport failures)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"proxy error {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        err = body.get("error", body)
+        return str(err.get("message", body)) if isinstance(err, dict) else str(err)
+    except Exception:  # noqa: BLE001 - any non-JSON body: show its text
+        return r.text[:500]
+
+
+async def _post(
+    http: httpx.AsyncClient,
+    url: str,
+    key: str,
+    body: dict[str, Any],
+    max_retries: int,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    delay = 0.2
+    for attempt in range(max_retries + 1):
+        try:
+            r = await http.post(
+                url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=timeout
+            )
+        except httpx.TransportError as e:
+            if attempt >= max_retries:
+                raise ProxyClientError(0, f"{type(e).__name__} calling {url}: {e}") from e
+        else:
+            if r.status_code < 400:
+                return r.json()
+            if r.status_code not in _RETRY_STATUS or attempt >= max_retries:
+                raise ProxyClientError(r.status_code, _error_message(r))
+        await asyncio.sleep(delay * (1 + random.random()))
+        delay *= 2
+    raise AssertionError("unreachable")
+
+
+async def grant_capacity(
+    base_url: str, admin_key: str, n: int, http_client: httpx.AsyncClient | None = None
+) -> None:
+    """Allow ``n`` more sessions to start (admin)."""
+    own = http_client is None
+    http = http_client or httpx.AsyncClient()
+    try:
+        await _post(http, base_url.rstrip("/") + "/grant_capacity", admin_key, {"capacity": n}, 3)
+    finally:
+        if own:
+            await http.aclose()
+
+
+class OpenAIProxyClient:
+    """One RL session as an async context manager (start on enter, end on exit)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        admin_key: str,
+        *,
+        http_client: httpx.AsyncClient | None = None,
+        task_id: str | None = None,
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        max_retries: int = 3,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self._admin_key = admin_key
+        self._http = http_client
+        self._own_http = http_client is None
+        self.task_id = task_id
+        self.group_id = group_id
+        self.metadata = metadata
+        self.max_retries = max_retries
+        self.session_id: str | None = None
+        self.api_key: str | None = None
+        self.ended = False
+
+    def __repr__(self) -> str:  # never show the keys
+        return f"OpenAIProxyClient(base_url={self.base_url!r}, session_id={self.session_id!r})"
+
+    @property
+    def openai_base_url(self) -> str:
+        """What to pass as ``base_url`` to ``openai.AsyncOpenAI`` (Anthropic: ``base_url``)."""
+        return self.base_url + "/v1"
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient()
+        return self._http
+
+    async def __aenter__(self) -> OpenAIProxyClient:
+        await self.start()
+        return self
+
+    async def start(self) -> None:
+        body: dict[str, Any] = {}
+        if self.task_id is not None:
+            body["task_id"] = self.task_id
+        if self.group_id is not None:
+            body["group_id"] = self.group_id
+        if self.metadata:
+            body["metadata"] = self.metadata
+        data = await _post(
+            self.http, self.base_url + "/rl/start_session", self._admin_key, body, self.max_retries
+        )
+        self.session_id, self.api_key = data["session_id"], data["api_key"]
+        self.ended = False
+
+    def _require(self) -> str:
+        if self.api_key is None:
+            raise RuntimeError("the session is not started (use `async with` or start())")
+        return self.api_key
+
+    async def set_reward(self, reward: float, interaction_id: str | None = None) -> None:
+        """Reward a completion (by its response id), or the last one when ``None``."""
+        body: dict[str, Any] = {"reward": reward}
+        if interaction_id is not None:
+            body["interaction_id"] = interaction_id
+        await _post(
+            self.http, self.base_url + "/rl/set_reward", self._require(), body, self.max_retries
+        )
+
+    async def end(self) -> None:
+        """End the session (idempotent on this client)."""
+        if self.ended:
+            return
+        try:
+            await _post(
+                self.http, self.base_url + "/rl/end_session", self._require(), {}, self.max_retries
+            )
+        except ProxyClientError as e:
+            if e.status != 409:  # a retried end that had already succeeded
+                raise
+        self.ended = True
+
+    async def export(
+        self, discount: float = 1.0, style: str = "individual", include_text: bool = True
+    ) -> dict:
+        """The session's trajectories and interaction summaries (admin)."""
+        if self.session_id is None:
+            raise RuntimeError("the session is not started")
+        body = {
+            "session_id": self.session_id,
+            "discount": discount,
+            "style": style,
+            "include_text": include_text,
+        }
+        return await _post(
+            self.http,
+            self.base_url + "/export_trajectories",
+            self._admin_key,
+            body,
+            self.max_retries,
+        )
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            if self.api_key is not None and not self.ended:
+                try:
+                    await self.end()
+                except (ProxyClientError, RuntimeError) as e:
+                    logger.warning("could not end proxy session %s: %s", self.session_id, e)
+        finally:
+            if self._own_http and self._http is not None:
+                await self._http.aclose()
+                self._http = None

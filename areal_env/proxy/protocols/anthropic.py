@@ -1,0 +1,338 @@
+"""Anthropic Messages API: request → internal form, result → ``message`` / Anthropic SSE.
+
+``tool_use`` blocks become assistant ``tool_calls`` and ``tool_result`` blocks become ``tool``
+messages, so a tool round trip is rendered as real tool turns (and splices onto the earlier
+completion) instead of being flattened to prose.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from areal_env.proxy.protocols.common import (
+    CompletionRequest,
+    bad_request,
+    check_tool_choice,
+    opt_bool,
+    opt_int,
+    opt_number,
+    require_object,
+    sse,
+    stop_list,
+    validate_function_tool,
+)
+
+
+def _text_blocks(content: Any, param: str) -> str:
+    """System prompts and tool results: a string or a list of text blocks."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, b in enumerate(content):
+            if (
+                not isinstance(b, dict)
+                or b.get("type") != "text"
+                or not isinstance(b.get("text"), str)
+            ):
+                kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+                raise bad_request(
+                    f"'{param}[{j}]': block type {kind!r} is not supported here (text only)"
+                )
+            texts.append(b["text"])
+        return "".join(texts)
+    raise bad_request(f"'{param}' must be a string or a list of text blocks")
+
+
+def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        out.append({"role": "system", "content": _text_blocks(system, "system")})
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages: must be a non-empty list")
+    for i, m in enumerate(raw):
+        p = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise bad_request(f"{p}.role: must be 'user' or 'assistant'")
+        role, content = m["role"], m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{p}.content: must be a string or a list of content blocks")
+        if role == "assistant":
+            texts: list[str] = []
+            calls: list[dict[str, Any]] = []
+            for j, b in enumerate(content):
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "text" and isinstance(b.get("text"), str):
+                    texts.append(b["text"])
+                elif kind == "tool_use":
+                    if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                        raise bad_request(f"{p}.content.{j}: tool_use needs string 'id' and 'name'")
+                    inp = b.get("input", {})
+                    if not isinstance(inp, dict):
+                        raise bad_request(f"{p}.content.{j}.input: must be an object")
+                    calls.append(
+                        {
+                            "id": b["id"],
+                            "type": "function",
+                            "function": {
+                                "name": b["name"],
+                                "arguments": json.dumps(inp, ensure_ascii=False),
+                            },
+                        }
+                    )
+                elif kind in ("thinking", "redacted_thinking"):
+                    continue
+                else:
+                    raise bad_request(
+                        f"{p}.content.{j}: block type {kind!r} is not supported for assistant turns"
+                    )
+            msg: dict[str, Any] = {
+                "role": "assistant",
+                "content": "".join(texts) if texts else None,
+            }
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        # user turn: tool_result blocks become tool messages, text runs become user messages
+        pending: list[str] = []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                pending.append(b["text"])
+            elif kind == "tool_result":
+                if pending:
+                    out.append({"role": "user", "content": "".join(pending)})
+                    pending = []
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise bad_request(f"{p}.content.{j}.tool_use_id: must be a string")
+                text = _text_blocks(b.get("content"), f"{p}.content.{j}.content")
+                if b.get("is_error"):
+                    text = f"Error: {text}" if text else "Error"
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+            else:
+                raise bad_request(
+                    f"{p}.content.{j}: block type {kind!r} is not supported (this model takes text only)"
+                )
+        if pending:
+            out.append({"role": "user", "content": "".join(pending)})
+    return out
+
+
+def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("tools: must be a list")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad_request(f"tools.{i}: tool type {kind!r} is not supported (client tools only)")
+        tools.append(
+            validate_function_tool(
+                t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"
+            )
+        )
+    return tools or None
+
+
+def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad_request('tool_choice: must be an object like {"type": "auto"}')
+    kind = raw.get("type")
+    if kind == "auto":
+        choice: Any = "auto"
+    elif kind == "any":
+        choice = "required"
+    elif kind == "none":
+        choice = "none"
+    elif kind == "tool":
+        choice = {"type": "function", "function": {"name": raw.get("name")}}
+    else:
+        raise bad_request("tool_choice.type: must be auto, any, tool or none")
+    check_tool_choice(choice, tools, "tool_choice")
+    return choice
+
+
+def parse_request(body: Any) -> CompletionRequest:
+    body = require_object(body)
+    max_tokens = opt_int(body, "max_tokens", 1)
+    if max_tokens is None:
+        raise bad_request("max_tokens: Field required")
+    tools = convert_tools(body.get("tools"))
+    model = body.get("model")
+    return CompletionRequest(
+        messages=convert_messages(body.get("system"), body.get("messages")),
+        tools=tools,
+        tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
+        max_tokens=max_tokens,
+        temperature=opt_number(body, "temperature", 0.0, 1.0),
+        top_p=opt_number(body, "top_p", 0.0, 1.0),
+        top_k=opt_int(body, "top_k", 0),
+        stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
+        stream=bool(opt_bool(body, "stream")),
+        model=model if isinstance(model, str) else None,
+    )
+
+
+def stop_reason(finish_reason: str, stop_hit: str | None) -> str:
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    if stop_hit is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for c in message.get("tool_calls") or []:
+        blocks.append(
+            {"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": _input(c)}
+        )
+    return blocks
+
+
+def _input(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        v = json.loads(call["function"]["arguments"] or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return v if isinstance(v, dict) else {"value": v}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "output_tokens": completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def build_response(
+    *,
+    message_id: str,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    stop_hit: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(message),
+        "stop_reason": stop_reason(finish_reason, stop_hit),
+        "stop_sequence": stop_hit,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+class EventWriter:
+    """Anthropic SSE: message_start, content blocks (text / tool_use), message_delta, stop."""
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+        self._id = message_id
+        self._model = model
+        self._prompt_tokens = prompt_tokens
+        self._index = -1
+        self._text_open = False
+
+    def start(self) -> bytes:
+        msg = {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(self._prompt_tokens, 0),
+        }
+        return sse({"type": "message_start", "message": msg}, "message_start")
+
+    def text(self, delta: str) -> bytes:
+        out = b""
+        if not self._text_open:
+            self._index += 1
+            self._text_open = True
+            out += sse(
+                {
+                    "type": "content_block_start",
+                    "index": self._index,
+                    "content_block": {"type": "text", "text": ""},
+                },
+                "content_block_start",
+            )
+        return out + sse(
+            {
+                "type": "content_block_delta",
+                "index": self._index,
+                "delta": {"type": "text_delta", "text": delta},
+            },
+            "content_block_delta",
+        )
+
+    def _close_text(self) -> bytes:
+        if not self._text_open:
+            return b""
+        self._text_open = False
+        return sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")
+
+    def tool_uses(self, calls: list[dict[str, Any]]) -> bytes:
+        out = self._close_text()
+        for c in calls:
+            self._index += 1
+            block = {"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": {}}
+            out += sse(
+                {"type": "content_block_start", "index": self._index, "content_block": block},
+                "content_block_start",
+            )
+            out += sse(
+                {
+                    "type": "content_block_delta",
+                    "index": self._index,
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(_input(c), ensure_ascii=False),
+                    },
+                },
+                "content_block_delta",
+            )
+            out += sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")
+        return out
+
+    def finish(self, finish_reason: str, stop_hit: str | None, completion_tokens: int) -> bytes:
+        out = self._close_text()
+        out += sse(
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": stop_reason(finish_reason, stop_hit),
+                    "stop_sequence": stop_hit,
+                },
+                "usage": {"output_tokens": completion_tokens},
+            },
+            "message_delta",
+        )
+        return out + sse({"type": "message_stop"}, "message_stop")
+
+    @staticmethod
+    def error(body: dict[str, Any]) -> bytes:
+        return sse(body, "error")

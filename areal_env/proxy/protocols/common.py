@@ -1,0 +1,320 @@
+"""Protocol-neutral pieces: the internal request, field validation, and streaming text.
+
+Every protocol module converts its request into a :class:`CompletionRequest` (OpenAI chat
+messages and function tools, the proxy's internal format) and converts the recorded result back.
+Streaming text goes through :class:`TextStream`, which turns token ids into text deltas as they
+arrive while holding back anything that might still become a tool-call tag or a stop string, so
+a client never sees half a ``<tool_call>`` printed as prose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_env.proxy.protocols.errors import ProxyError, bad_request
+
+# Tags that open a tool call in the families the parsers know. Text that could be the start of
+# one is held back while streaming until it is resolved.
+DEFAULT_TOOL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+
+
+@dataclass
+class CompletionRequest:
+    """A generation request in internal (OpenAI chat) form, whatever protocol it came in."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def parse_tools(self) -> list[dict[str, Any]] | None:
+        """Tools the output parser may match (none when the client forbade tool calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+
+# ---- field validation (never let a wrong type reach the engine as a 500) ----------------------
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def opt_number(
+    body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None
+) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad_request(f"'{name}' must be a number, got {v!r}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {v!r}", name)
+    return float(v)
+
+
+def opt_int(
+    body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise bad_request(f"'{name}' must be an integer, got {v!r}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be {bound}, got {v!r}", name)
+    return v
+
+
+def opt_bool(body: dict[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be a boolean, got {v!r}", name)
+    return v
+
+
+def opt_str(body: dict[str, Any], name: str) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad_request(f"'{name}' must be a string, got {type(v).__name__}", name)
+    return v
+
+
+def stop_list(v: Any, name: str) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_request(f"'{name}' must be a string or a list of strings", name)
+    v = [s for s in v if s]
+    return v or None
+
+
+def arguments_string(args: Any, param: str) -> str:
+    """Tool-call arguments as the JSON string OpenAI uses (clients sometimes send objects)."""
+    if args is None:
+        return "{}"
+    if isinstance(args, str):
+        return args
+    if isinstance(args, dict):
+        return json.dumps(args, ensure_ascii=False)
+    raise bad_request(f"'{param}' must be a JSON string or object", param)
+
+
+def validate_function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict:
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"'{param}.name' must be a non-empty string", f"{param}.name")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_request(f"'{param}.parameters' must be a JSON schema object", param)
+    fn: dict[str, Any] = {"name": name}
+    if isinstance(description, str) and description:
+        fn["description"] = description
+    fn["parameters"] = (
+        parameters if parameters is not None else {"type": "object", "properties": {}}
+    )
+    return {"type": "function", "function": fn}
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict] | None, param: str) -> None:
+    """A named tool_choice must name an offered tool."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice.get("function", {}).get("name")
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names tool {name!r}, which is not in 'tools'", param)
+    elif tool_choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs at least one tool in 'tools'", param)
+
+
+# ---- streaming text ---------------------------------------------------------------------------
+
+
+class TokenTexts:
+    """Per-token strings for logprob reports, cached per tokenizer (ids repeat a lot)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < 200_000:
+                self._cache[token_id] = s
+        return s
+
+    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        out = []
+        for tid, lp in zip(ids, logprobs, strict=False):
+            s = self(tid)
+            out.append(
+                {
+                    "token": s,
+                    "logprob": float(lp),
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [],
+                }
+            )
+        return out
+
+
+def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class TextStream:
+    """Incremental detokenizer with hold-back of possible tool tags and stop strings.
+
+    Decoding uses a sliding window (prefix/read offsets), so each step costs O(new tokens), and
+    a multi-byte character split over tokens is emitted only once complete.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        skip_ids: set[int] | frozenset[int] = frozenset(),
+        tool_markers: tuple[str, ...] = (),
+        stop: list[str] | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_ids
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # all decoded text so far
+        self._emitted = 0  # chars of self.text already handed out
+        self._tool_markers = tool_markers
+        self._stop = tuple(stop or ())
+        self._markers = tuple(tool_markers) + self._stop
+        self.in_tool_call = False
+        self.stopped_at: str | None = None
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new tokens; returns the text that is now safe to show."""
+        ids = [t for t in token_ids if t not in self._skip]
+        if ids:
+            self._ids.extend(ids)
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            new_text = self._decode(self._ids[self._prefix :])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                self.text += new_text[len(prefix_text) :]
+                self._prefix = self._read
+                self._read = len(self._ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of generation: flush what was held back unless it became a tool call / stop."""
+        if self._read < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            new_text = self._decode(self._ids[self._prefix :])
+            self.text += new_text[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.in_tool_call or self.stopped_at is not None:
+            return ""
+        pending = self.text[self._emitted :]
+        if not pending:
+            return ""
+        # Held-back text is part of ``pending``, so a marker split across steps is found here.
+        cut = None
+        for m in self._markers:
+            i = pending.find(m)
+            if i >= 0 and (cut is None or i < cut[0]):
+                cut = (i, m)
+        if cut is not None:
+            pos, m = cut
+            out = pending[:pos]
+            self._emitted += pos
+            if m in self._stop:
+                self.stopped_at = m
+            else:
+                self.in_tool_call = True
+            return out
+        hold = 0 if final else _held_suffix(pending, self._markers)
+        end = len(self.text) - hold
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out
+
+
+def truncate_at_stop(text: str | None, stop: list[str] | None) -> tuple[str | None, str | None]:
+    """Cut ``text`` at the earliest stop string (OpenAI/Anthropic exclude it). Returns (text, hit)."""
+    if not text or not stop:
+        return text, None
+    best: tuple[int, str] | None = None
+    for s in stop:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return text, None
+    return text[: best[0]], best[1]
+
+
+def content_remainder(final_content: str | None, emitted: str) -> str:
+    """What of the final (parsed) content has not been streamed yet."""
+    final_content = final_content or ""
+    if final_content.startswith(emitted):
+        return final_content[len(emitted) :]
+    return ""
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event."""
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
+    if event:
+        return f"event: {event}\ndata: {payload}\n\n".encode()
+    return f"data: {payload}\n\n".encode()
+
+
+def ensure(cond: bool, message: str, param: str | None = None) -> None:
+    if not cond:
+        raise ProxyError(400, message, param=param)

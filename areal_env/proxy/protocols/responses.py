@@ -1,0 +1,418 @@
+"""OpenAI Responses API: ``input`` items → internal messages, result → ``response`` / events.
+
+``function_call`` items join the assistant turn before them (one turn may hold text and calls)
+and ``function_call_output`` items become ``tool`` messages; a client that echoes the previous
+output items back therefore extends the earlier completion and is spliced token-exactly.
+``previous_response_id`` is resolved from the session's own tree.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from areal_env.proxy.protocols.common import (
+    CompletionRequest,
+    arguments_string,
+    bad_request,
+    check_tool_choice,
+    opt_bool,
+    opt_int,
+    opt_number,
+    opt_str,
+    require_object,
+    sse,
+)
+
+_TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _TEXT_PARTS:
+                t = part.get("text", part.get("refusal"))
+                if not isinstance(t, str):
+                    raise bad_request(f"'{param}[{j}].text' must be a string", param)
+                texts.append(t)
+            else:
+                raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
+        return "".join(texts)
+    raise bad_request(f"'{param}' must be a string or a list of content parts", param)
+
+
+def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("'instructions' must be a string", "instructions")
+        out.append({"role": "system", "content": instructions})
+    if isinstance(raw, str):
+        out.append({"role": "user", "content": raw})
+        return out
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'input' must be a string or a non-empty list of items", "input")
+    for i, item in enumerate(raw):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"'{p}' must be an object", p)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"'{p}.role' must be user, assistant, system or developer", p)
+            role = "system" if role == "developer" else role
+            text = _text(item.get("content"), f"{p}.content")
+            if (
+                role == "assistant"
+                and out
+                and out[-1]["role"] == "assistant"
+                and out[-1].get("tool_calls")
+            ):
+                # text after calls in the same turn cannot be expressed; start a new turn
+                out.append({"role": "assistant", "content": text})
+            elif (
+                role == "assistant"
+                and out
+                and out[-1]["role"] == "assistant"
+                and out[-1]["content"] is not None
+            ):
+                out[-1]["content"] += text
+            else:
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise bad_request(f"'{p}' function_call needs string 'call_id' and 'name'", p)
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments_string(item.get("arguments"), f"{p}.arguments"),
+                },
+            }
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(f"'{p}.call_id' must be a string", p)
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{p}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise bad_request(f"input item type {kind!r} is not supported", p)
+    return out
+
+
+def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("'tools' must be a list", "tools")
+    tools = []
+    for i, t in enumerate(raw):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad_request(f"tool type {kind!r} is not supported (function tools only)", p)
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"'{p}.name' must be a non-empty string", p)
+        params = t.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"'{p}.parameters' must be a JSON schema object", p)
+        fn: dict[str, Any] = {"name": name}
+        if isinstance(t.get("description"), str) and t["description"]:
+            fn["description"] = t["description"]
+        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
+    if raw is None:
+        return None
+    if raw in ("auto", "none", "required"):
+        choice: Any = raw
+    elif (
+        isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("name"), str)
+    ):
+        choice = {"type": "function", "function": {"name": raw["name"]}}
+    else:
+        raise bad_request(
+            "'tool_choice' must be auto, none, required or {type: function, name}", "tool_choice"
+        )
+    check_tool_choice(choice, tools, "tool_choice")
+    return choice
+
+
+def parse_request(body: Any) -> CompletionRequest:
+    body = require_object(body)
+    tools = convert_tools(body.get("tools"))
+    model = body.get("model")
+    req = CompletionRequest(
+        messages=convert_input(body.get("instructions"), body.get("input")),
+        tools=tools,
+        tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
+        max_tokens=opt_int(body, "max_output_tokens", 1),
+        temperature=opt_number(body, "temperature", 0.0, 2.0),
+        top_p=opt_number(body, "top_p", 0.0, 1.0),
+        stream=bool(opt_bool(body, "stream")),
+        model=model if isinstance(model, str) else None,
+    )
+    prev = opt_str(body, "previous_response_id")
+    if prev:
+        req.extra["previous_response_id"] = prev
+    req.extra["echo"] = {
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_tokens,
+        "previous_response_id": prev,
+        "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+    }
+    return req
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def message_item(
+    text: str, item_id: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id or _item_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def function_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response_object(
+    *,
+    response_id: str,
+    model: str,
+    echo: dict[str, Any],
+    output: list[dict[str, Any]],
+    status: str,
+    finish_reason: str | None,
+    usage_obj: dict[str, Any] | None,
+    created_at: float | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created_at or time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if finish_reason == "length"
+        else None,
+        "instructions": echo.get("instructions"),
+        "max_output_tokens": echo.get("max_output_tokens"),
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": bool(echo.get("parallel_tool_calls", True)),
+        "previous_response_id": echo.get("previous_response_id"),
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": echo.get("temperature"),
+        "text": {"format": {"type": "text"}},
+        "tool_choice": echo.get("tool_choice", "auto"),
+        "tools": echo.get("tools", []),
+        "top_p": echo.get("top_p"),
+        "truncation": "disabled",
+        "usage": usage_obj,
+        "metadata": echo.get("metadata", {}),
+    }
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    items = []
+    if message.get("content"):
+        items.append(message_item(message["content"]))
+    for c in message.get("tool_calls") or []:
+        items.append(function_item(c))
+    return items
+
+
+def status_of(finish_reason: str) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+class EventWriter:
+    """Responses streaming events, with sequence numbers, for one response."""
+
+    def __init__(self, response_id: str, model: str, echo: dict[str, Any]) -> None:
+        self._id = response_id
+        self._model = model
+        self._echo = echo
+        self._seq = 0
+        self._created = time.time()
+        self._output: list[dict[str, Any]] = []
+        self._msg: dict[str, Any] | None = None
+        self._text = ""
+
+    def _ev(self, obj: dict[str, Any]) -> bytes:
+        obj["sequence_number"] = self._seq
+        self._seq += 1
+        return sse(obj, obj["type"])
+
+    def _resp(self, status: str, finish: str | None = None, usage_obj: dict | None = None) -> dict:
+        return response_object(
+            response_id=self._id,
+            model=self._model,
+            echo=self._echo,
+            output=list(self._output),
+            status=status,
+            finish_reason=finish,
+            usage_obj=usage_obj,
+            created_at=self._created,
+        )
+
+    def start(self) -> bytes:
+        r = self._resp("in_progress")
+        return self._ev({"type": "response.created", "response": r}) + self._ev(
+            {"type": "response.in_progress", "response": r}
+        )
+
+    def text(self, delta: str) -> bytes:
+        out = b""
+        if self._msg is None:
+            self._msg = message_item("", status="in_progress")
+            self._msg["content"] = []
+            out += self._ev(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": len(self._output),
+                    "item": self._msg,
+                }
+            )
+            out += self._ev(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": self._msg["id"],
+                    "output_index": len(self._output),
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []},
+                }
+            )
+        self._text += delta
+        return out + self._ev(
+            {
+                "type": "response.output_text.delta",
+                "item_id": self._msg["id"],
+                "output_index": len(self._output),
+                "content_index": 0,
+                "delta": delta,
+                "logprobs": [],
+            }
+        )
+
+    def _close_text(self) -> bytes:
+        if self._msg is None:
+            return b""
+        idx = len(self._output)
+        item = message_item(self._text, self._msg["id"])
+        part = item["content"][0]
+        out = self._ev(
+            {
+                "type": "response.output_text.done",
+                "item_id": item["id"],
+                "output_index": idx,
+                "content_index": 0,
+                "text": self._text,
+                "logprobs": [],
+            }
+        )
+        out += self._ev(
+            {
+                "type": "response.content_part.done",
+                "item_id": item["id"],
+                "output_index": idx,
+                "content_index": 0,
+                "part": part,
+            }
+        )
+        out += self._ev({"type": "response.output_item.done", "output_index": idx, "item": item})
+        self._output.append(item)
+        self._msg = None
+        return out
+
+    def function_calls(self, calls: list[dict[str, Any]]) -> bytes:
+        out = self._close_text()
+        for c in calls:
+            idx = len(self._output)
+            item = function_item(c)
+            added = dict(item, arguments="", status="in_progress")
+            out += self._ev(
+                {"type": "response.output_item.added", "output_index": idx, "item": added}
+            )
+            out += self._ev(
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "delta": item["arguments"],
+                }
+            )
+            out += self._ev(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "arguments": item["arguments"],
+                }
+            )
+            out += self._ev(
+                {"type": "response.output_item.done", "output_index": idx, "item": item}
+            )
+            self._output.append(item)
+        return out
+
+    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        out = self._close_text()
+        status = status_of(finish_reason)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        r = self._resp(status, finish_reason, usage(prompt_tokens, completion_tokens))
+        return out + self._ev({"type": kind, "response": r})
+
+    def error(self, message: str, code: str | None) -> bytes:
+        return self._ev({"type": "error", "code": code, "message": message, "param": None})

@@ -1,0 +1,242 @@
+"""``ProxyServer``: the proxy app served by uvicorn in a background thread, and its CLI.
+
+The server runs in a daemon thread with its own event loop, so a trainer (or a test) keeps its
+own loop free; the engine's ``agenerate`` may be awaited from any loop. The socket is bound
+before the thread starts, so ``port=0`` yields a free port without a race, and ``start()``
+returns only once ``/health`` answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import secrets
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from areal_env.api.config import ProxyConfig
+from areal_env.proxy.app import ProxyState, create_app
+
+logger = logging.getLogger(__name__)
+
+# Keys that must never protect a proxy reachable from other machines.
+_WEAK_ADMIN_KEYS = {"", "admin", "changeme", "default", "password", "secret", "test", "areal"}
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def check_admin_key(config: ProxyConfig) -> None:
+    """Refuse an empty key, and a missing or well-known one off loopback."""
+    key = config.admin_key
+    if key is not None and not key.strip():
+        raise ValueError("proxy.admin_key must not be empty")
+    if not is_loopback(config.host) and (
+        key is None or key.strip().lower() in _WEAK_ADMIN_KEYS or len(key) < 16
+    ):
+        raise ValueError(
+            f"refusing to serve on non-loopback host {config.host!r} without a strong admin key: "
+            "set proxy.admin_key (--admin-key) to a random secret of at least 16 characters"
+        )
+
+
+class ProxyServer:
+    """The interception proxy on ``engine``: ``with ProxyServer(engine, tok) as p: p.base_url``."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        config: ProxyConfig | None = None,
+        *,
+        model_name: str | None = None,
+        renderer: Any = None,
+    ) -> None:
+        self.config = config or ProxyConfig()
+        self.config.validate()
+        check_admin_key(self.config)
+        key = self.config.admin_key
+        self.admin_key_generated = key is None
+        self.admin_key: str = key if key is not None else "ak-" + secrets.token_urlsafe(32)
+        self.state = ProxyState(
+            engine,
+            tokenizer,
+            self.config,
+            admin_key=self.admin_key,
+            model_name=model_name,
+            renderer=renderer,
+        )
+        self.app = create_app(self.state)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self.host = self.config.host
+        self.port = self.config.port
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def start(self, timeout: float = 30.0) -> ProxyServer:
+        if self._thread is not None:
+            return self
+        self._sock = _bind(self.config.host, self.config.port)
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,  # leave the host application's logging alone
+            access_log=False,  # access lines would carry nothing secret, but keep logs quiet
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=30,
+            backlog=2048,
+        )
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        sock = self._sock
+        server = self._server
+
+        def run() -> None:
+            try:
+                asyncio.run(server.serve(sockets=[sock]))
+            except Exception:  # pragma: no cover - surfaced by start() timing out
+                logger.exception("proxy server thread crashed")
+
+        self._thread = threading.Thread(target=run, name=f"proxy-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("proxy server failed to start (see the log)")
+            if server.started:
+                try:
+                    r = httpx.get(self.base_url + "/health", timeout=2.0)
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.02)
+        else:
+            self.stop()
+            raise TimeoutError(f"proxy did not answer /health within {timeout} s")
+        logger.info("proxy listening at %s (model %s)", self.base_url, self.state.model_name)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()
+        self._server = self._thread = self._sock = None
+
+    def __enter__(self) -> ProxyServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``areal-env proxy --model NAME_OR_PATH [--host H] [--port P] [--admin-key K]``."""
+    p = argparse.ArgumentParser(
+        prog="areal-env proxy",
+        description="Serve a model behind the OpenAI/Anthropic-compatible RL interception proxy.",
+    )
+    p.add_argument(
+        "--model", default=None, help="model name or HF folder (default: the embedded default)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="admin key (default: generated and printed once; required off loopback)",
+    )
+    p.add_argument("--tool-parser", default="auto", help="auto|hermes|qwen|llama3|mistral|none")
+    p.add_argument(
+        "--initial-capacity",
+        type=int,
+        default=None,
+        help="sessions allowed before any grant (default unlimited)",
+    )
+    p.add_argument(
+        "--session-ttl", type=float, default=3600.0, help="idle session lifetime, seconds"
+    )
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-context-len", type=int, default=None)
+    args = p.parse_args(argv)
+
+    from areal_env.engine.local import LocalEngine
+    from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
+
+    name = args.model or DEFAULT_MODEL
+    path = str(resolve_model_path(name))
+    cfg = ProxyConfig(
+        host=args.host,
+        port=args.port,
+        admin_key=args.admin_key,
+        tool_parser=args.tool_parser,
+        initial_capacity=args.initial_capacity,
+        session_ttl=args.session_ttl,
+        model_name=name,
+    )
+    try:
+        cfg.validate()
+        check_admin_key(cfg)
+    except ValueError as e:
+        print(f"areal-env proxy: {e}", file=sys.stderr)
+        return 2
+    engine = LocalEngine(
+        path, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len
+    )
+    engine.initialize()
+    server = ProxyServer(engine, engine.tokenizer, cfg)
+    server.start()
+    print(
+        f"areal-env proxy serving {name} at {server.base_url}  (OpenAI base_url: {server.openai_base_url})"
+    )
+    if server.admin_key_generated:
+        print(f"admin key (generated, shown once): {server.admin_key}")
+    else:
+        print("admin key: the one passed with --admin-key")
+    sys.stdout.flush()
+    try:
+        while server._thread is not None and server._thread.is_alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        engine.destroy()
+    return 0

@@ -76,6 +76,8 @@ class SGLangConfig:
     extra_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
     startup_timeout: float = 600.0
+    launch_command: list[str] = field(default_factory=list)
+    """Replaces ``python -m sglang.launch_server`` (e.g. ``[areal-env, serve]`` on a CPU box)."""
 
     def validate(self) -> None:
         if self.num_servers < 1:

@@ -1,0 +1,721 @@
+"""``SGLangEngine``: an ``InferenceEngine`` that speaks SGLang's native HTTP protocol.
+
+The same client drives real SGLang servers on GPU machines and ``areal-env serve`` (the embedded
+engine behind the same protocol) on CPU machines, so the trainer never needs ``sglang`` itself.
+
+Protocol used (SGLang's ``http_server.py``):
+
+- ``POST /generate`` ``{"input_ids", "sampling_params", "return_logprob": true, "rid", "stream"}``
+  → ``{"text", "output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+  "output_token_logprobs": [[logprob, token_id, text|null], ...], "weight_version", ...}}``.
+  ``meta_info.output_token_versions`` (one int per output token) is an ``areal-env serve``
+  extension; without it every token gets the server's ``weight_version`` (or ours).
+- ``POST /pause_generation`` ``{"mode": "abort"}`` / ``POST /continue_generation``: in-flight
+  requests come back with ``finish_reason.type == "abort"`` and the tokens produced so far; we
+  re-submit prompt + those tokens after the pause, so no completion is lost.
+- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` → ``{"success", "message"}``.
+- ``POST /update_weight_version``, ``GET /health``, ``GET /get_model_info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
+from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+STICKY_METADATA_KEYS = ("session_id", "conversation_id", "sticky_key")
+"""``req.metadata`` keys that pin a request to one server (first present wins), before ``rid``."""
+
+
+class _RetryableHTTPError(Exception):
+    """A 5xx answer: worth retrying (the server may be restarting or overloaded)."""
+
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, (httpx.TransportError, _RetryableHTTPError))
+
+
+def normalize_address(address: str) -> str:
+    """``"host:port"`` or ``"http://host:port/"`` → ``"host:port"`` (what we name in errors)."""
+    addr = address.strip()
+    for prefix in ("http://", "https://"):
+        if addr.startswith(prefix):
+            addr = addr[len(prefix) :]
+    addr = addr.rstrip("/")
+    if not addr or ":" not in addr:
+        raise ValueError(f"server address {address!r} must look like host:port")
+    return addr
+
+
+def sampling_params_from_gconfig(g: GenerationConfig, max_new_tokens: int | None = None) -> dict:
+    """Our ``GenerationConfig`` → SGLang ``sampling_params`` (``top_k`` off is -1 there)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": int(max_new_tokens if max_new_tokens is not None else g.max_new_tokens),
+        "temperature": 0.0 if g.is_greedy else float(g.temperature),
+        "top_p": float(g.top_p),
+        "top_k": int(g.top_k) if g.top_k > 0 else -1,
+        "ignore_eos": bool(g.ignore_eos),
+        # Keep the stop text in `text`: the proxy re-parses output ids, never trimmed text.
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    if g.stop:
+        params["stop"] = list(g.stop)
+    if g.stop_token_ids:
+        params["stop_token_ids"] = list(g.stop_token_ids)
+    if g.seed is not None:
+        params["sampling_seed"] = int(g.seed)
+    return params
+
+
+def _parse_version(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stop_reason(finish_reason: Any) -> str:
+    """SGLang ``finish_reason`` (dict, or None while streaming) → our stop reason."""
+    if isinstance(finish_reason, dict):
+        kind = finish_reason.get("type")
+    else:
+        kind = finish_reason
+    if kind in ("stop", "length", "abort"):
+        return kind
+    return "stop"
+
+
+class SGLangEngine:
+    """HTTP client for one or more SGLang(-compatible) servers.
+
+    New requests go round-robin; a request whose ``metadata["session_id"]`` (or
+    ``conversation_id``) or ``rid`` was seen before goes to the same server, so multi-turn agents
+    reuse that server's prefix cache. Connection errors and 5xx answers are retried with
+    exponential backoff; a server that stays down is reported by address as
+    ``EngineUnavailableError`` and is skipped for new requests for ``down_cooldown`` seconds.
+    """
+
+    supports_state_dict_update = False
+    """The trainer must save an HF folder and call ``update_weights(path)``."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        request_timeout: float = 3600.0,
+        connect_timeout: float = 10.0,
+        control_timeout: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.2,
+        retry_max_wait: float = 5.0,
+        startup_timeout: float = 300.0,
+        down_cooldown: float = 30.0,
+        max_abort_resubmits: int = 50,
+        owned: Any = None,
+        launch: Callable[[], Any] | None = None,
+        model_path: str | None = None,
+    ) -> None:
+        if not addresses and launch is None:
+            raise ValueError("SGLangEngine needs at least one server address (host:port)")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.addresses = [normalize_address(a) for a in addresses]
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.control_timeout = control_timeout
+        self.attempts = max_retries + 1 if max_retries > 0 else 1
+        self.retry_backoff = retry_backoff
+        self.retry_max_wait = retry_max_wait
+        self.startup_timeout = startup_timeout
+        self.down_cooldown = down_cooldown
+        self.max_abort_resubmits = max_abort_resubmits
+        self.model_path = model_path
+        self._owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
+        self._launch = launch  # called by initialize() when there is no server yet
+        self._version = 0
+        self._lock = threading.Lock()
+        self._rr = 0
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._sticky_max = 100_000
+        self._down_until: dict[str, float] = {}
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._sync_client: httpx.Client | None = None
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def initialize(self) -> None:
+        """Launch servers if asked to, wait until every server answers ``/health``, and adopt
+        their weight version when all report the same integer."""
+        self._destroyed = False
+        if self._launch is not None and self._owned is None:
+            self._owned = self._launch()
+            self.addresses = [normalize_address(a) for a in self._owned.addresses]
+        deadline = time.monotonic() + self.startup_timeout
+        versions = []
+        for addr in self.addresses:
+            while True:
+                try:
+                    r = self._client_sync().get(f"http://{addr}/health", timeout=5.0)
+                    if r.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineUnavailableError(
+                        f"server {addr} not healthy after {self.startup_timeout:.0f} s"
+                    )
+                time.sleep(0.2)
+            try:
+                info = self._client_sync().get(f"http://{addr}/get_model_info", timeout=10.0)
+                if info.status_code == 200:
+                    data = info.json()
+                    versions.append(_parse_version(data.get("weight_version")))
+                    self.model_path = self.model_path or data.get("model_path")
+            except (httpx.TransportError, ValueError):
+                versions.append(None)
+        if versions and all(v is not None for v in versions) and len(set(versions)) == 1:
+            self._version = versions[0]  # type: ignore[assignment]
+        logger.info("SGLangEngine ready: %d server(s) %s", len(self.addresses), self.addresses)
+
+    def destroy(self) -> None:
+        """Close HTTP clients (on their own loops) and stop servers this engine launched."""
+        self._destroyed = True
+        self._resumed.set()
+        with self._lock:
+            clients, self._clients = dict(self._clients), {}
+            sync_client, self._sync_client = self._sync_client, None
+        for loop, client in clients.items():
+            if loop.is_closed():
+                continue
+            try:
+                if loop.is_running():
+                    asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+                else:
+                    loop.run_until_complete(client.aclose())
+            except RuntimeError:
+                pass
+        if sync_client is not None:
+            sync_client.close()
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.stop()
+
+    def __enter__(self) -> SGLangEngine:
+        self.initialize()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    # ------------------------------------------------------------------ clients
+
+    def _timeout(self, total: float) -> httpx.Timeout:
+        return httpx.Timeout(total, connect=min(self.connect_timeout, total))
+
+    def _client(self) -> httpx.AsyncClient:
+        """One AsyncClient per event loop: the proxy's loop and the trainer's differ."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            with self._lock:
+                for old in [lp for lp in self._clients if lp.is_closed()]:
+                    self._clients.pop(old, None)  # its sockets died with the loop
+                client = self._clients.get(loop)
+                if client is None:
+                    client = httpx.AsyncClient(
+                        timeout=self._timeout(self.request_timeout),
+                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                        trust_env=False,
+                    )
+                    self._clients[loop] = client
+        return client
+
+    def _client_sync(self) -> httpx.Client:
+        with self._lock:
+            if self._sync_client is None:
+                self._sync_client = httpx.Client(
+                    timeout=self._timeout(self.control_timeout), trust_env=False
+                )
+            return self._sync_client
+
+    # ------------------------------------------------------------------ routing
+
+    def _sticky_key(self, req: ModelRequest) -> str | None:
+        for key in STICKY_METADATA_KEYS:
+            value = req.metadata.get(key) if req.metadata else None
+            if value:
+                return f"{key}:{value}"
+        return None
+
+    def route(self, req: ModelRequest) -> tuple[str, bool]:
+        """Pick the server for ``req``: (address, sticky). Sticky = seen this session/rid before."""
+        keys = [k for k in (self._sticky_key(req), f"rid:{req.rid}") if k]
+        with self._lock:
+            for key in keys:
+                addr = self._sticky.get(key)
+                if addr is not None:
+                    self._sticky.move_to_end(key)
+                    self._remember(keys, addr)
+                    return addr, True
+            addr = self._next_healthy()
+            self._remember(keys, addr)
+            return addr, False
+
+    def _next_healthy(self, exclude: set[str] | None = None) -> str:
+        now = time.monotonic()
+        n = len(self.addresses)
+        for _ in range(n):
+            addr = self.addresses[self._rr % n]
+            self._rr += 1
+            if self._down_until.get(addr, 0.0) <= now and addr not in (exclude or ()):
+                return addr
+        # Everything looks down: try the next one anyway (it may be back).
+        addr = self.addresses[self._rr % n]
+        self._rr += 1
+        return addr
+
+    def _remember(self, keys: list[str], addr: str) -> None:
+        for key in keys:
+            self._sticky[key] = addr
+            self._sticky.move_to_end(key)
+        while len(self._sticky) > self._sticky_max:
+            self._sticky.popitem(last=False)
+
+    def _rebind(self, req: ModelRequest, addr: str) -> None:
+        keys = [k for k in (self._sticky_key(req), f"rid:{req.rid}") if k]
+        with self._lock:
+            self._remember(keys, addr)
+
+    def _mark_down(self, addr: str) -> None:
+        with self._lock:
+            self._down_until[addr] = time.monotonic() + self.down_cooldown
+
+    def _mark_up(self, addr: str) -> None:
+        if addr in self._down_until:
+            with self._lock:
+                self._down_until.pop(addr, None)
+
+    # ------------------------------------------------------------------ HTTP with retries
+
+    def _retry_kwargs(self) -> dict[str, Any]:
+        return dict(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=self.retry_backoff, max=self.retry_max_wait),
+            retry=retry_if_exception(_retryable),
+            reraise=False,
+        )
+
+    @staticmethod
+    def _check(resp: httpx.Response, addr: str, path: str) -> Any:
+        if resp.status_code >= 500:
+            raise _RetryableHTTPError(resp.status_code, resp.text)
+        if resp.status_code == 413:
+            raise PromptTooLongError(_error_message(resp))
+        if resp.status_code >= 400:
+            message = _error_message(resp)
+            if "context length" in message or "too long" in message:
+                raise PromptTooLongError(message)
+            raise ValueError(f"server {addr} rejected {path} (HTTP {resp.status_code}): {message}")
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    def _unavailable(self, addr: str, exc: BaseException) -> EngineUnavailableError:
+        detail = exc
+        if isinstance(exc, RetryError):
+            detail = exc.last_attempt.exception() or exc
+        return EngineUnavailableError(
+            f"server {addr} unreachable after {self.attempts} attempts: "
+            f"{type(detail).__name__}: {detail}"
+        )
+
+    async def _apost(self, addr: str, path: str, body: dict, timeout: float | None = None) -> Any:
+        client = self._client()
+        kwargs: dict[str, Any] = {"json": body}
+        if timeout is not None:
+            kwargs["timeout"] = self._timeout(timeout)
+        try:
+            async for attempt in AsyncRetrying(**self._retry_kwargs()):
+                with attempt:
+                    resp = await client.post(f"http://{addr}{path}", **kwargs)
+                    return self._check(resp, addr, path)
+        except RetryError as e:
+            raise self._unavailable(addr, e) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _post(self, addr: str, path: str, body: dict | None = None) -> Any:
+        client = self._client_sync()
+        try:
+            for attempt in Retrying(**self._retry_kwargs()):
+                with attempt:
+                    resp = client.post(f"http://{addr}{path}", json=body or {})
+                    return self._check(resp, addr, path)
+        except RetryError as e:
+            raise self._unavailable(addr, e) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _broadcast(self, path: str, body: dict | None = None) -> list[Any]:
+        """POST to every server (in parallel threads: a slow weight load must not serialise)."""
+        results: list[Any] = [None] * len(self.addresses)
+        errors: list[BaseException | None] = [None] * len(self.addresses)
+
+        def one(i: int, addr: str) -> None:
+            try:
+                results[i] = self._post(addr, path, body)
+            except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+                errors[i] = e
+
+        threads = [
+            threading.Thread(target=one, args=(i, a), daemon=True)
+            for i, a in enumerate(self.addresses)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for err in errors:
+            if err is not None:
+                raise err
+        return results
+
+    # ------------------------------------------------------------------ generation
+
+    def _payload(self, req: ModelRequest, prefix: list[int], remaining: int, n: int) -> dict:
+        payload = {
+            "input_ids": list(req.input_ids) + prefix,
+            "sampling_params": sampling_params_from_gconfig(req.gconfig, remaining),
+            "return_logprob": True,
+            "stream": False,
+        }
+        # SGLang refuses a rid that is still in flight; a re-submission gets its own.
+        payload["rid"] = req.rid if n == 0 else f"{req.rid}-r{n}"
+        return payload
+
+    async def _wait_resumed(self) -> None:
+        while not self._resumed.is_set():
+            if self._destroyed:
+                raise EngineUnavailableError("SGLangEngine was destroyed")
+            await asyncio.sleep(0.02)
+
+    def _versions(self, meta: dict, n_tokens: int) -> list[int]:
+        versions = meta.get("output_token_versions")
+        if isinstance(versions, list) and len(versions) == n_tokens:
+            return [int(v) for v in versions]
+        v = _parse_version(meta.get("weight_version"))
+        return [self._version if v is None else v] * n_tokens
+
+    async def _post_generate(self, req: ModelRequest, payload: dict) -> tuple[str, dict]:
+        """Send one /generate to the request's server, failing over only before it is bound."""
+        addr, sticky = self.route(req)
+        tried: set[str] = set()
+        while True:
+            try:
+                out = await self._apost(addr, "/generate", payload)
+                self._mark_up(addr)
+                return addr, out
+            except EngineUnavailableError:
+                self._mark_down(addr)
+                tried.add(addr)
+                # A fresh request may move to another server; a sticky one names its server.
+                if sticky or len(tried) >= len(self.addresses):
+                    raise
+                with self._lock:
+                    addr = self._next_healthy(exclude=tried)
+                if addr in tried:
+                    raise
+                logger.warning("failing over request %s to %s", req.rid, addr)
+                self._rebind(req, addr)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate a completion; aborted segments (pause / weight update) are continued."""
+        if self._destroyed:
+            raise EngineUnavailableError("SGLangEngine was destroyed")
+        req.gconfig.validate()
+        start = time.perf_counter()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        ttft = 0.0
+        stop_reason = "length"
+        empty_aborts = 0
+        n = 0
+        while True:
+            remaining = req.gconfig.max_new_tokens - len(tokens)
+            if remaining <= 0:
+                stop_reason = "length"
+                break
+            await self._wait_resumed()
+            payload = self._payload(req, tokens, remaining, n)
+            n += 1
+            _, out = await self._post_generate(req, payload)
+            new_ids, new_lps, meta = _parse_generate_output(out)
+            if new_ids and not tokens:
+                ttft = time.perf_counter() - start
+            tokens += new_ids
+            logprobs += new_lps
+            versions += self._versions(meta, len(new_ids))
+            stop_reason = _stop_reason(meta.get("finish_reason"))
+            if stop_reason != "abort":
+                break
+            # Aborted (pause / weight update): continue from the tokens so far after the pause.
+            empty_aborts = 0 if new_ids else empty_aborts + 1
+            if empty_aborts > self.max_abort_resubmits:
+                logger.warning("request %s aborted %d times without progress", req.rid, n)
+                break
+            if self._resumed.is_set():
+                await asyncio.sleep(min(0.05 * empty_aborts, 1.0))
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
+            latency=time.perf_counter() - start,
+            ttft=ttft,
+            rid=req.rid,
+        )
+
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Stream tokens via SGLang's SSE (``stream: true``), continuing aborted segments."""
+        if self._destroyed:
+            raise EngineUnavailableError("SGLangEngine was destroyed")
+        req.gconfig.validate()
+        start = time.perf_counter()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        ttft = 0.0
+        stop_reason = "length"
+        empty_aborts = 0
+        n = 0
+        while True:
+            remaining = req.gconfig.max_new_tokens - len(tokens)
+            if remaining <= 0:
+                stop_reason = "length"
+                break
+            await self._wait_resumed()
+            payload = self._payload(req, tokens, remaining, n)
+            payload["stream"] = True
+            n += 1
+            seg_start = len(tokens)
+            meta: dict = {}
+            async for out in self._stream_segment(req, payload):
+                seg_ids, seg_lps, meta = _parse_generate_output(out)
+                have = len(tokens) - seg_start
+                if len(seg_ids) > have:
+                    new_ids, new_lps = seg_ids[have:], seg_lps[have:]
+                    new_versions = self._versions(meta, len(seg_ids))[have:]
+                    if not tokens:
+                        ttft = time.perf_counter() - start
+                    tokens += new_ids
+                    logprobs += new_lps
+                    versions += new_versions
+                    yield StreamChunk(token_ids=new_ids, logprobs=new_lps, versions=new_versions)
+            stop_reason = _stop_reason(meta.get("finish_reason"))
+            if stop_reason != "abort":
+                break
+            empty_aborts = 0 if len(tokens) > seg_start else empty_aborts + 1
+            if empty_aborts > self.max_abort_resubmits:
+                break
+            if self._resumed.is_set():
+                await asyncio.sleep(min(0.05 * empty_aborts, 1.0))
+        final = ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
+            latency=time.perf_counter() - start,
+            ttft=ttft,
+            rid=req.rid,
+        )
+        yield StreamChunk(token_ids=[], logprobs=[], versions=[], final=final)
+
+    async def _stream_segment(self, req: ModelRequest, payload: dict) -> AsyncIterator[dict]:
+        """One SSE /generate. Opening the stream is retried (with failover for a fresh request);
+        once events flow, a broken stream is an error (re-sending would duplicate work)."""
+        addr, sticky = self.route(req)
+        client = self._client()
+        tried: set[str] = set()
+        while True:
+            last: BaseException | None = None
+            for i in range(self.attempts):
+                if i:
+                    await asyncio.sleep(min(self.retry_backoff * 2**i, self.retry_max_wait))
+                try:
+                    resp = await client.send(
+                        client.build_request("POST", f"http://{addr}/generate", json=payload),
+                        stream=True,
+                    )
+                except httpx.TransportError as e:
+                    last = e
+                    continue
+                if resp.status_code >= 500:
+                    await resp.aread()
+                    await resp.aclose()
+                    last = _RetryableHTTPError(resp.status_code, resp.text)
+                    continue
+                break
+            else:
+                self._mark_down(addr)
+                tried.add(addr)
+                error = self._unavailable(addr, last or RuntimeError("no answer"))
+                if sticky or len(tried) >= len(self.addresses):
+                    raise error
+                with self._lock:
+                    nxt = self._next_healthy(exclude=tried)
+                if nxt in tried:
+                    raise error
+                addr = nxt
+                self._rebind(req, addr)
+                continue
+            break
+        self._mark_up(addr)
+        try:
+            if resp.status_code >= 400:
+                await resp.aread()
+                self._check(resp, addr, "/generate")
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event:
+                        message = str(event["error"].get("message", event["error"]))
+                        if "context length" in message or "too long" in message:
+                            raise PromptTooLongError(message)
+                        raise ValueError(f"server {addr}: {message}")
+                    yield event
+            except httpx.TransportError as e:
+                raise EngineUnavailableError(f"server {addr} broke the stream: {e}") from None
+        finally:
+            await resp.aclose()
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self) -> None:
+        """Pause every server; in-flight requests are aborted and continued after ``resume()``."""
+        self._resumed.clear()
+        self._broadcast("/pause_generation", {"mode": "abort"})
+
+    def resume(self) -> None:
+        self._broadcast("/continue_generation", {})
+        self._resumed.set()
+
+    def update_weights(self, weights: dict[str, Any] | str | os.PathLike[str]) -> None:
+        """Load an HF folder on every server (``/update_weights_from_disk``), then bump the version.
+
+        In-flight requests are aborted by the pause and continued on the new weights, so their
+        per-token versions show the switch.
+        """
+        if not isinstance(weights, (str, os.PathLike)):
+            raise TypeError(
+                "SGLangEngine.update_weights takes a path to a saved HF model folder: SGLang "
+                "servers load weights from disk (supports_state_dict_update is False). Save the "
+                "state dict with model.save_pretrained(dir) and pass dir."
+            )
+        path = os.fspath(weights)
+        new_version = self._version + 1
+        was_paused = not self._resumed.is_set()
+        if not was_paused:
+            self.pause()
+        try:
+            results = self._broadcast(
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": str(new_version), "flush_cache": True},
+            )
+            for addr, res in zip(self.addresses, results, strict=True):
+                if isinstance(res, dict) and res.get("success") is False:
+                    raise RuntimeError(f"server {addr} failed to load {path}: {res.get('message')}")
+            self._version = new_version
+            logger.info("weights from %s loaded on %d server(s)", path, len(self.addresses))
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Set our version and every server's ``weight_version`` (tokens report it)."""
+        self._broadcast("/update_weight_version", {"new_version": str(int(version))})
+        self._version = int(version)
+
+    def health(self) -> dict[str, bool]:
+        """``{address: healthy}`` from one ``GET /health`` each (no retries)."""
+        out = {}
+        for addr in self.addresses:
+            try:
+                out[addr] = self._client_sync().get(f"http://{addr}/health", timeout=5).is_success
+            except httpx.TransportError:
+                out[addr] = False
+        return out
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return str(data)[:500]
+
+
+def _parse_generate_output(out: Any) -> tuple[list[int], list[float], dict]:
+    """``/generate`` answer → (output ids, their logprobs, meta_info)."""
+    if isinstance(out, list):  # a batch answer; we always send one prompt
+        out = out[0]
+    if not isinstance(out, dict) or "meta_info" not in out:
+        raise ValueError(f"unexpected /generate answer: {str(out)[:300]}")
+    meta = out["meta_info"]
+    entries = meta.get("output_token_logprobs") or []
+    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    ids = out.get("output_ids")
+    if ids is None:
+        ids = [int(e[1]) for e in entries]
+    ids = [int(t) for t in ids]
+    if len(logprobs) != len(ids):
+        raise ValueError(
+            f"/generate returned {len(ids)} output ids but {len(logprobs)} logprobs "
+            "(was return_logprob honoured?)"
+        )
+    return ids, logprobs, meta

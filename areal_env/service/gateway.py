@@ -454,7 +454,8 @@ class Gateway:
             who = f"session {sess.id}" if sess else "this request"
             raise ServiceError(
                 503,
-                f"the backend of {who} is unavailable ({type(e).__name__}); the session has failed, start a new one",
+                f"the backend of {who} is unavailable ({type(e).__name__}); "
+                "the session has failed, start a new session",
                 "service_unavailable",
             ) from e
         self.counters["requests_forwarded"] += 1

@@ -1,0 +1,199 @@
+"""The service gateway over two real proxies on the real model: auth, affinity, failover."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from areal_env.service.client import SESSION_HEADER, AgentServiceError, AgentSession
+from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
+
+ALICE, BOB = SERVICE_USER_KEYS
+MSG = [{"role": "user", "content": "Say hi."}]
+
+
+def bearer(key: str, session: str | None = None) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {key}"}
+    if session:
+        headers[SESSION_HEADER] = session
+    return headers
+
+
+async def test_auth_refuses_unauthenticated_and_cross_user_access(service_stack):
+    url = service_stack.base_url
+    async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+        assert (await h.post("/rl/v1/sessions")).status_code == 401
+        assert (await h.post("/rl/v1/sessions", headers=bearer("wrong"))).status_code == 401
+        r = await h.post("/v1/chat/completions", json={"model": "m", "messages": MSG})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await h.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": MSG})
+        assert r.status_code == 401 and r.json()["type"] == "error"  # Anthropic error shape
+
+        sid = (await h.post("/rl/v1/sessions", headers=bearer(ALICE))).json()["session_id"]
+        body = {"model": "m", "messages": MSG, "max_tokens": 4}
+        ok = await h.post("/v1/chat/completions", json=body, headers=bearer(ALICE, sid))
+        assert ok.status_code == 200, ok.text
+        cid = ok.json()["id"]
+        # Bob cannot use, reward, finalize or even see Alice's session.
+        for path, payload in (
+            ("/v1/chat/completions", body),
+            ("/rl/v1/set_reward", {"completion_id": cid, "reward": 1.0}),
+            ("/rl/v1/finalize", {"final_reward": 1.0}),
+        ):
+            r = await h.post(path, json=payload, headers=bearer(BOB, sid))
+            assert r.status_code == 404, (path, r.text)
+        assert (await h.get(f"/rl/v1/sessions/{sid}", headers=bearer(BOB))).status_code == 404
+        # Bob's key with Alice's session id in the key form is refused as well.
+        r = await h.post("/v1/chat/completions", json=body, headers=bearer(f"{BOB}:{sid}"))
+        assert r.status_code == 404
+        # The proxies' own keys are never handed out, and a proxy session key is no user key.
+        assert (
+            "api_key" not in (await h.get(f"/rl/v1/sessions/{sid}", headers=bearer(ALICE))).json()
+        )
+        r = await h.post(
+            "/v1/chat/completions",
+            json=body,
+            headers=bearer(service_stack.proxies[0].admin_key, sid),
+        )
+        assert r.status_code == 401
+
+        # Admin-issued keys.
+        assert (await h.post("/admin/keys", headers=bearer(ALICE))).status_code == 401
+        r = await h.post(
+            "/admin/keys", json={"name": "carol"}, headers=bearer(service_stack.gateway.admin_key)
+        )
+        carol = r.json()["api_key"]
+        assert (await h.post("/rl/v1/sessions", headers=bearer(carol))).status_code == 200
+
+
+async def test_quota_on_concurrent_sessions(engine, tokenizer):
+    stack = make_service_stack(engine, tokenizer, max_sessions_per_key=2)
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as h:
+            ids = [
+                (await h.post("/rl/v1/sessions", headers=bearer(ALICE))).json()["session_id"]
+                for _ in range(2)
+            ]
+            r = await h.post("/rl/v1/sessions", headers=bearer(ALICE))
+            assert r.status_code == 429 and "quota" in r.json()["error"]["message"]
+            # Other keys have their own quota; finalizing frees a slot.
+            assert (await h.post("/rl/v1/sessions", headers=bearer(BOB))).status_code == 200
+            r = await h.post(
+                "/rl/v1/finalize", json={"status": "failed"}, headers=bearer(ALICE, ids[0])
+            )
+            assert r.json()["status"] == "failed"
+            assert (await h.post("/rl/v1/sessions", headers=bearer(ALICE))).status_code == 200
+            # A finalized session takes no more calls.
+            r = await h.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": MSG},
+                headers=bearer(ALICE, ids[0]),
+            )
+            assert r.status_code in (409, 503)
+    finally:
+        stack.gateway.stop()
+        for p in stack.proxies:
+            p.stop()
+
+
+async def test_spread_over_two_proxies_and_survive_one_dying(service_stack):
+    url = service_stack.base_url
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=ALICE, max_retries=0)
+    sessions = [AgentSession(url, ALICE, group_id=f"g{i}") for i in range(4)]
+    for s in sessions:
+        await s.__aenter__()
+    try:
+        owners = [service_stack.backend_of(s.session_id) for s in sessions]
+        assert sorted(owners) == [0, 0, 1, 1]  # least-loaded placement
+        victim = owners[0]
+        survivor_sessions = [s for s, o in zip(sessions, owners, strict=True) if o != victim]
+        doomed = [s for s, o in zip(sessions, owners, strict=True) if o == victim]
+        # Streaming goes through the gateway chunk by chunk.
+        s0 = survivor_sessions[0]
+        stream = await client.chat.completions.create(
+            model="m", messages=MSG, max_tokens=6, stream=True, extra_headers=s0.headers
+        )
+        chunks = [c async for c in stream]
+        assert len(chunks) >= 3
+
+        service_stack.proxies[victim].stop()
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.chat.completions.create(
+                model="m", messages=MSG, max_tokens=4, extra_headers=doomed[0].headers
+            )
+        assert err.value.status_code == 503
+        assert "start a new session" in str(err.value)
+        await asyncio.sleep(0.5)  # the health probe has failed the other doomed session too
+        state = service_stack.gateway.gateway.sessions[doomed[1].session_id].state
+        assert state == "failed"
+
+        # New sessions land on the survivor and work end to end.
+        for _ in range(2):
+            async with AgentSession(url, ALICE) as fresh:
+                assert service_stack.backend_of(fresh.session_id) != victim
+                r = await client.chat.completions.create(model="m", messages=MSG, max_tokens=4)
+                assert r.choices[0].message.role == "assistant"
+                await fresh.finalize(0.5)
+        health = httpx.get(url + "/health").json()
+        assert health["backends_healthy"] == 1
+    finally:
+        for s in reversed(sessions):
+            s._deactivate()
+            try:
+                await s.finalize(status="failed")
+            except AgentServiceError:
+                pass
+            await s._close_async()
+    assert service_stack.source.total_failed >= 2
+
+
+async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
+    url = service_stack.base_url
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=BOB, max_retries=0)
+
+    async def agent(i: int) -> tuple[str, list[str]]:
+        async with AgentSession(url, BOB, group_id="shared") as s:
+            ids = []
+            for turn in range(2):
+                r = await client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": f"Agent {i}, turn {turn}."}],
+                    max_tokens=3,
+                )
+                ids.append(r.id)
+                await asyncio.sleep(0)
+            await s.set_reward(ids[0], 0.25)
+            await s.finalize(float(i))
+            return s.session_id, ids
+
+    results = await asyncio.gather(*(agent(i) for i in range(4)))
+    source = service_stack.source
+    source.batch_size = 2
+    batch, stats = await source.rollout_batch(trainer_version=0, timeout=30)
+    assert stats["episodes/accepted"] == 4 and stats["groups/accepted"] == 2
+    by_session = {e["session_id"]: e for e in source.last_episodes}
+    for i, (sid, ids) in enumerate(results):
+        episode = by_session[sid]
+        assert sorted(it["id"] for it in episode["interactions"]) == sorted(ids)
+        rewards = {it["id"]: it["reward"] for it in episode["interactions"]}
+        assert rewards[ids[0]] == 0.25 and rewards[ids[1]] == float(i)
+    assert batch["input_ids"].shape[0] == 8  # 4 sessions x 2 completions (individual rows)
+
+
+def test_sync_session_with_sync_openai_client(service_stack):
+    url = service_stack.base_url
+    client = openai.OpenAI(base_url=url + "/v1", api_key=ALICE, max_retries=0)
+    with AgentSession(url, ALICE, group_id="sync") as s:
+        r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+        s.set_reward(r.id, 1.0)
+        out = s.finalize()
+    assert out["status"] == "ok" and out["num_completions"] == 1
+    with pytest.raises(ValueError, match="boom"):
+        with AgentSession(url, ALICE, group_id="sync") as s2:
+            client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+            raise ValueError("boom")
+    assert s2.finalized["status"] == "failed"
+    assert service_stack.gateway.gateway.sessions[s2.session_id].state == "failed"

@@ -21,6 +21,7 @@ candidates with equal hashes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ from typing import Any, Literal
 logger = logging.getLogger(__name__)
 
 ExportStyle = Literal["individual", "concat"]
+_RECENT_SIZE = 64  # hash states kept from find_parent for the add() that follows
 
 
 class SessionLimitError(ValueError):
@@ -104,13 +106,23 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
+@functools.lru_cache(maxsize=8192)
+def _canonical_arguments_str(arguments: str) -> str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments.strip()
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _canonical_arguments(arguments: Any) -> str:
+    """Arguments compared as parsed JSON (key order and spacing ignored); cached by text."""
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return arguments.strip()
-    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return _canonical_arguments_str(arguments)
+    try:
+        return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(arguments)
 
 
 def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -145,18 +157,36 @@ def _ids_compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(not (x and y) or x == y for x, y in zip(calls_a, calls_b, strict=False))
 
 
-def _message_digest(message: dict[str, Any]) -> bytes:
-    blob = json.dumps(canonical_message(message), ensure_ascii=False, separators=(",", ":"))
-    return hashlib.blake2b(blob.encode("utf-8"), digest_size=16).digest()
+def _message_bytes(message: dict[str, Any]) -> bytes:
+    """Unambiguous bytes of the canonical message (length-prefixed fields)."""
+    role = message.get("role")
+    if role == "developer":
+        role = "system"
+    content = message.get("content")
+    text = (content if isinstance(content, str) else content_text(content)).strip()
+    out = f"{len(str(role))}:{role}{len(text)}:{text}"
+    calls = message.get("tool_calls")
+    if calls:
+        for call in calls:
+            if isinstance(call, dict):
+                fn = call.get("function") or {}
+                name = str(fn.get("name"))
+                args = _canonical_arguments(fn.get("arguments"))
+                out += f"{len(name)}:{name}{len(args)}:{args}"
+    return (out + ";").encode("utf-8", "surrogatepass")
+
+
+def _hasher() -> Any:
+    return hashlib.blake2b(digest_size=16)
 
 
 def prefix_keys(messages: list[dict[str, Any]]) -> list[bytes]:
-    """Chained hashes: ``keys[i]`` identifies ``messages[: i + 1]`` in canonical form."""
+    """Running hashes: ``keys[i]`` identifies ``messages[: i + 1]`` in canonical form."""
+    h = _hasher()
     keys: list[bytes] = []
-    prev = b""
     for message in messages:
-        prev = hashlib.blake2b(prev + _message_digest(message), digest_size=16).digest()
-        keys.append(prev)
+        h.update(_message_bytes(message))
+        keys.append(h.digest())
     return keys
 
 
@@ -179,6 +209,7 @@ class InteractionCache:
         self._index: dict[bytes, list[str]] = {}
         self._last: str | None = None
         self._total_tokens = 0
+        self._recent: dict[int, tuple[list[dict[str, Any]], int, Any]] = {}
 
     # ---- containers ----
     def __len__(self) -> int:
@@ -231,8 +262,16 @@ class InteractionCache:
         longest match wins. Among equal-hash candidates, ones whose tool-call ids disagree are
         skipped and the most recent is taken.
         """
-        keys = prefix_keys(messages)
+        h = _hasher()
+        keys: list[bytes] = []
+        for message in messages:
+            h.update(_message_bytes(message))
+            keys.append(h.digest())
         with self._lock:
+            # add() usually follows with these very messages: keep the hash state for it
+            self._recent[id(messages)] = (messages, len(messages), h)
+            while len(self._recent) > _RECENT_SIZE:
+                self._recent.pop(next(iter(self._recent)))
             if not self._index:
                 return None
             for pos in range(len(messages) - 1, -1, -1):
@@ -268,7 +307,16 @@ class InteractionCache:
                 f"({len(it.output_logprobs)}) and output_versions ({len(it.output_versions)}) "
                 "must have the same length"
             )
-        key = prefix_keys([*it.messages, it.output_message])[-1]
+        with self._lock:
+            recent = self._recent.pop(id(it.messages), None)
+        if recent is not None and recent[0] is it.messages and recent[1] == len(it.messages):
+            h = recent[2].copy()
+        else:
+            h = _hasher()
+            for message in it.messages:
+                h.update(_message_bytes(message))
+        h.update(_message_bytes(it.output_message))
+        key = h.digest()
         with self._lock:
             if it.id in self._items:
                 raise ValueError(f"interaction {it.id!r} already recorded")

@@ -126,6 +126,8 @@ class ChatRenderer:
             detect_tool_parser(template) if tool_parser == "auto" else tool_parser.lower()
         )
         self.parser: ToolParser = get_tool_parser(self.tool_parser_name)
+        self._fast_render = None
+        self._fast_render = self._make_fast_render()
         self.native_tools = self._template_renders_tools()
         # A template with native <tool_call> support expects one object per tag.
         self._format: ToolParser = (
@@ -135,29 +137,143 @@ class ChatRenderer:
         )
         self.end_of_turn = self._detect_end_of_turn()
         self.stop_token_ids: list[int] = self._detect_stop_ids()
+        self.local_suffix = self._check_local_suffix()
         self._strip_texts = [
             t for t in getattr(tokenizer, "all_special_tokens", []) if t and t.strip()
         ]
         logger.info(
-            "chat renderer: tool parser %s, tools %s, end of turn %r, stop ids %s",
+            "chat renderer: tool parser %s, tools %s, end of turn %r, stop ids %s, "
+            "suffix rendering %s, fast jinja path %s",
             self.tool_parser_name,
             "rendered by the template" if self.native_tools else "injected into the system prompt",
             self.end_of_turn,
             self.stop_token_ids,
+            "local" if self.local_suffix else "over the whole history",
+            self._fast_render is not None,
         )
 
     # ---- template probing ------------------------------------------------------------------
-    def _apply(self, messages: list[dict[str, Any]], tools: Any, gen: bool) -> str:
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
-        if tools:
-            kwargs["tools"] = tools
+    def _apply(
+        self, messages: list[dict[str, Any]], tools: Any, gen: bool, fast: bool = True
+    ) -> str:
+        """Render with the chat template (transformers' own renderer, minus per-call overhead)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+            if fast and self._fast_render is not None:
+                text = self._fast_render(messages, tools, gen)
+            else:
+                kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
+                if tools:
+                    kwargs["tools"] = tools
+                text = self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as exc:  # jinja TemplateError, TypeError on None content, ...
             raise RenderError(f"chat template failed to render the messages: {exc}") from exc
         if not isinstance(text, str):
             raise RenderError("chat template did not return text")
         return text
+
+    def _make_fast_render(self) -> Any:
+        """``render_jinja_template`` called directly, if it renders exactly like
+        ``apply_chat_template`` on probe conversations; else None (always use the latter)."""
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError:
+            return None
+        template = self.chat_template
+        special = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
+
+        def render(messages: list[dict[str, Any]], tools: Any, gen: bool) -> str:
+            chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            out = render_jinja_template(
+                [chat],
+                tools=tools or None,
+                chat_template=template,
+                add_generation_prompt=gen,
+                **special,
+            )
+            return out[0][0]
+
+        try:
+            for msgs, tools, gen in self._probes():
+                if render(msgs, tools, gen) != self._apply(msgs, tools, gen, fast=False):
+                    return None
+        except Exception:  # noqa: BLE001 - any doubt: use the public path
+            return None
+        return render
+
+    @staticmethod
+    def _probes() -> list[tuple[list[dict[str, Any]], Any, bool]]:
+        user = {"role": "user", "content": "hi"}
+        asst = {"role": "assistant", "content": "hello"}
+        system = {"role": "system", "content": "sys"}
+        return [
+            ([user], None, True),
+            ([system, user, asst], None, False),
+            ([system, user, asst, user], _PROBE_TOOLS, True),
+        ]
+
+    def _check_local_suffix(self) -> bool:
+        """Whether new turns render the same after a short context as after the whole history.
+
+        Then ``render_extension`` renders only the first message, the parent's last two and the
+        new ones: its cost follows the new turns, not the history. Probed at start-up on
+        conversations with and without a system prompt, tools, tool calls and tool results.
+        """
+        call = {
+            "id": "call_p",
+            "type": "function",
+            "function": {"name": "probe_tool_zq", "arguments": '{"x": "1"}'},
+        }
+        history = [
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_p", "content": "r1"},
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": "second question"},
+            {"role": "assistant", "content": "", "tool_calls": [call, {**call, "id": "call_q"}]},
+        ]
+        news = [
+            [{"role": "tool", "tool_call_id": "call_p", "content": "a"}],
+            [
+                {"role": "tool", "tool_call_id": "call_p", "content": "a"},
+                {"role": "tool", "tool_call_id": "call_q", "content": "b"},
+            ],
+            [{"role": "user", "content": "third"}],
+        ]
+        text_end = [*history[:-1], {"role": "assistant", "content": "plain"}]
+        try:
+            for system in ([], [{"role": "system", "content": "be good"}]):
+                for hist in (history, text_end):
+                    prefix = [*system, *hist]
+                    for new in news:
+                        for tools in (None, _PROBE_TOOLS):
+                            full = self._suffix(prefix, new, tools, None, local=False)
+                            short = self._suffix(prefix, new, tools, None, local=True)
+                            if full is None or full != short:
+                                return False
+        except RenderError:
+            return False
+        return True
+
+    def _suffix(
+        self,
+        prefix_msgs: list[dict[str, Any]],
+        new_messages: list[dict[str, Any]],
+        tools: Any,
+        tool_choice: Any,
+        local: bool,
+    ) -> str | None:
+        """Template text of ``new_messages`` (+ generation prompt) after ``prefix_msgs``.
+
+        ``local``: render after a short context (first message + the last two) instead of the
+        whole history. None if the rendering of the prefix is not a prefix of the whole.
+        """
+        if local and len(prefix_msgs) > 3:
+            prefix_msgs = [prefix_msgs[0], *prefix_msgs[-2:]]
+        prefix = self.render_text(prefix_msgs, tools, tool_choice, add_generation_prompt=False)
+        full = self.render_text(
+            [*prefix_msgs, *new_messages], tools, tool_choice, add_generation_prompt=True
+        )
+        return full[len(prefix) :] if full.startswith(prefix) else None
 
     def _template_renders_tools(self) -> bool:
         probe = [{"role": "user", "content": "hi"}]
@@ -328,17 +444,17 @@ class ChatRenderer:
         cache then records the child as not spliced.
         """
         prefix_msgs = [*parent.messages, parent.output_message]
-        full_msgs = [*prefix_msgs, *new_messages]
-        prefix = self.render_text(prefix_msgs, tools, tool_choice, add_generation_prompt=False)
-        full = self.render_text(full_msgs, tools, tool_choice, add_generation_prompt=True)
-        if not full.startswith(prefix):
+        suffix = self._suffix(prefix_msgs, new_messages, tools, tool_choice, self.local_suffix)
+        if suffix is None and self.local_suffix:
+            suffix = self._suffix(prefix_msgs, new_messages, tools, tool_choice, False)
+        if suffix is None:
             logger.warning(
                 "chat template re-renders earlier turns when the conversation grows; "
-                "rendering interaction after %s from scratch",
+                "rendering the turn after %s from scratch",
                 parent.id,
             )
-            return self.render_prompt(full_msgs, tools, tool_choice)
-        suffix = full[len(prefix) :] + self.prefill_text(tools, tool_choice)
+            return self.render_prompt([*prefix_msgs, *new_messages], tools, tool_choice)
+        suffix += self.prefill_text(tools, tool_choice)
         return [
             *parent.prompt_ids,
             *parent.output_ids,

@@ -309,3 +309,72 @@ def test_native_tool_template(tokenizer):
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>' in text
     assert "<|im_start|>tool\n5<|im_end|>" in text
     assert r.prefill_text(TOOLS, "required") == '<tool_call>\n{"name": "'
+
+
+def test_long_conversation_splices_equal_scratch_and_suffix_is_local(renderer, tokenizer):
+    """Ten spliced turns with canonical outputs give exactly the from-scratch tokens."""
+    assert renderer.local_suffix  # ChatML: new turns do not depend on the history
+    msgs: list[dict] = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Go"},
+    ]
+    cache = InteractionCache()
+    parent = None
+    for turn in range(10):
+        if parent is None:
+            prompt = renderer.render_prompt(msgs, TOOLS)
+        else:
+            found = cache.find_parent(msgs)
+            assert found is parent
+            prompt = renderer.render_extension(parent, msgs[len(parent.messages) + 1 :], TOOLS)
+        assert prompt == renderer.render_prompt(msgs, TOOLS)
+        text = (
+            f'<tool_call>[{{"name": "add", "arguments": {{"a": {turn}, "b": 1}}}}]</tool_call>'
+            if turn % 3 != 2
+            else f"Step {turn} done."
+        )
+        out = enc(tokenizer, text) + [2]
+        parsed = renderer.parse_output(out, "stop", TOOLS)
+        it = interaction(list(msgs), parsed.to_message(), prompt, out, TOOLS, parent)
+        cache.add(it)
+        assert it.spliced == (parent is not None)
+        msgs.append(parsed.to_message())
+        if parsed.tool_calls:
+            msgs += [
+                {"role": "tool", "tool_call_id": c["id"], "content": str(turn + 1)}
+                for c in parsed.tool_calls
+            ]
+        else:
+            msgs.append({"role": "user", "content": "continue"})
+        parent = it
+    rows = cache.export(1.0, "concat")
+    assert len(rows) == 1
+    (row,) = rows.values()
+    assert sum(row["loss_mask"]) == sum(len(i.output_ids) for i in cache.interactions())
+
+
+def test_non_local_template_falls_back_to_full_history(tokenizer):
+    """A template whose rendering of a turn depends on its position is still spliced exactly."""
+    tok = copy.copy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }} #{{ loop.index }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    r = ChatRenderer(tok)
+    assert not r.local_suffix
+    msgs = [
+        {"role": "user", "content": f"q{i}"}
+        if i % 2 == 0
+        else {"role": "assistant", "content": f"a{i}"}
+        for i in range(7)
+    ]
+    out = enc(tok, "answer") + [2]
+    parent = interaction(
+        msgs, {"role": "assistant", "content": "answer"}, r.render_prompt(msgs), out
+    )
+    new = [{"role": "user", "content": "more"}]
+    ids = r.render_extension(parent, new)
+    n = len(parent.prompt_ids) + len(out)
+    assert ids[:n] == parent.prompt_ids + out
+    assert tok.decode(ids[n:]) == "\n<|im_start|>user #9\nmore<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids).endswith("<|im_start|>user #9\nmore<|im_end|>\n<|im_start|>assistant\n")

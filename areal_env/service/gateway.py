@@ -228,14 +228,21 @@ class Gateway:
             or ((body or {}).get("session_id") if isinstance(body, dict) else None)
         )
 
-    def _fail_session(self, sess: GatewaySession, reason: str) -> None:
+    def _release(self, sess: GatewaySession, state: str, reason: str | None = None) -> None:
+        """Close ``sess`` for good (``done`` or ``failed``): free its quota and backend slot."""
         if sess.state in ("done", "failed"):
             return
-        sess.state = "failed"
+        sess.state = state
         sess.error = reason
         sess.last_used = time.monotonic()
         self.keys.release(sess.user)
         sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
+
+    def _fail_session(self, sess: GatewaySession, reason: str) -> None:
+        """Fail ``sess``: excluded from training (the source counts it; its group waits on)."""
+        if sess.state in ("done", "failed"):
+            return
+        self._release(sess, "failed", reason)
         self.counters["sessions_failed"] += 1
         if self.source is not None and hasattr(self.source, "put_failed"):
             self.source.put_failed(sess.group_id, reason)
@@ -398,10 +405,7 @@ class Gateway:
             if sess.state == "finalizing":
                 self._fail_session(sess, f"finalize failed: {e}")
             raise
-        sess.state = "done"
-        sess.last_used = time.monotonic()
-        self.keys.release(sess.user)
-        sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
+        self._release(sess, "done")
         self.counters["sessions_finalized"] += 1
         record = dict(
             export,
@@ -661,7 +665,8 @@ class Gateway:
         try:
             response = await self.forward(request, sess, sess.backend, sess.session_key)
         except BaseException:
-            self._fail_session(sess, "request failed")
+            self._release(sess, "failed", "request failed")
+            self.sessions.pop(sess.id, None)
             raise
         inner = response.background
 
@@ -672,7 +677,7 @@ class Gateway:
                 await self._session_post(sess, "/rl/end_session", {})
             except ServiceError:
                 pass
-            self._fail_session(sess, "inference-only request")  # never trained on
+            self._release(sess, "done")  # inference only: never trained on
             self.sessions.pop(sess.id, None)
 
         response.background = BackgroundTask(close)

@@ -1,0 +1,209 @@
+"""Serving a trained checkpoint through the same OpenAI/Anthropic-compatible API (inference only).
+
+``serve_checkpoint("outputs/EXP/TRIAL")`` (or an HF model folder) loads the newest checkpoint
+into an engine, puts one proxy on it and the service gateway in front, in *inference-only*
+mode: a model call without a session runs in a throwaway session that is closed right after
+the answer, so nothing accumulates and nothing is trained. The same agent code (``OPENAI_BASE_URL``
++ ``/v1``) that trained the model now uses it. Sessions (``AgentSession``) still work, which
+keeps multi-turn token-exact prompts for agents that want them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from areal_env.service.config import ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+SERVING = "areal-env serving {model} at {url}"
+
+
+def resolve_checkpoint(target: str | Path) -> Path:
+    """The HF model folder for ``target``: a run dir (newest checkpoint), a checkpoint
+    ``step_N`` folder, or an HF folder itself."""
+    path = Path(target)
+    if (path / "config.json").is_file():
+        return path
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    ckpt_root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    from areal_env.trainer.checkpoint import MODEL_DIR, latest_checkpoint
+
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None or not (latest / MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no trained checkpoint under {str(path)!r} (expected checkpoints/step_N/model)"
+        )
+    return latest / MODEL_DIR
+
+
+def model_name_of(model_dir: Path) -> str:
+    """``EXPERIMENT/TRIAL@step_N`` for a checkpoint folder, else the folder's name."""
+    parts = model_dir.resolve().parts
+    if len(parts) >= 5 and parts[-1] == "model" and parts[-3] == "checkpoints":
+        return f"{parts[-5]}/{parts[-4]}@{parts[-2]}"
+    return model_dir.name
+
+
+class InferenceService:
+    """Engine + one proxy + an inference-only gateway; ``start()`` / ``stop()``."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        service: ServiceConfig | None = None,
+        engine: Any = None,
+        max_batch_size: int = 32,
+        default_max_tokens: int = 512,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.service = service or ServiceConfig()
+        self.engine = engine
+        self._own_engine = engine is None
+        self.max_batch_size = max_batch_size
+        self.default_max_tokens = default_max_tokens
+        self.proxy: Any = None
+        self.gateway: Any = None
+
+    def start(self) -> InferenceService:
+        from areal_env.api.config import ProxyConfig
+        from areal_env.proxy.server import ProxyServer
+        from areal_env.service.gateway import GatewayServer
+
+        try:
+            if self.engine is None:
+                from areal_env.engine.local import LocalEngine
+
+                self.engine = LocalEngine(str(self.model_dir), max_batch_size=self.max_batch_size)
+                self.engine.initialize()
+            pcfg = ProxyConfig(
+                host="127.0.0.1",
+                port=0,
+                default_max_tokens=self.default_max_tokens,
+                session_ttl=600.0,
+            )
+            self.proxy = ProxyServer(
+                self.engine, self.engine.tokenizer, pcfg, model_name=model_name_of(self.model_dir)
+            ).start()
+            self.gateway = GatewayServer(
+                self.service,
+                backends=[(self.proxy.base_url, self.proxy.admin_key)],
+                anonymous_sessions=True,
+            ).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.base_url
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        if self._own_engine and self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
+    def __enter__(self) -> InferenceService:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve_checkpoint(
+    target: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    experiment: str | None = None,
+    trial: str | None = None,
+    fileroot: str = "./outputs",
+    api_keys: list[str] | None = None,
+    key_file: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+    block: bool = True,
+) -> InferenceService:
+    """Serve the newest checkpoint of ``target`` (or ``fileroot/experiment/trial``).
+
+    With ``block=False`` the running service is returned (call ``stop()``); otherwise this
+    serves until interrupted.
+    """
+    if target is None:
+        if not (experiment and trial):
+            raise ValueError("give a run folder / model folder, or both experiment and trial")
+        target = Path(fileroot) / experiment / trial
+    model_dir = resolve_checkpoint(target)
+    service = ServiceConfig(
+        host=host,
+        port=port,
+        api_keys=list(api_keys or []),
+        key_file=key_file,
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
+    )
+    service.validate()
+    svc = InferenceService(model_dir, service=service).start()
+    print(SERVING.format(model=model_dir, url=svc.base_url), flush=True)
+    if not block:
+        return svc
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        done.wait()
+    finally:
+        svc.stop()
+    return svc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``areal-env serve --experiment NAME --trial TRIAL`` (or ``--checkpoint PATH``)."""
+    p = argparse.ArgumentParser(
+        prog="areal-env serve",
+        description="Serve a trained checkpoint through the OpenAI/Anthropic-compatible API "
+        "(inference only). Point OPENAI_BASE_URL at the printed URL + /v1.",
+    )
+    p.add_argument("--experiment", help="experiment name (with --trial)")
+    p.add_argument("--trial", help="trial name")
+    p.add_argument("--fileroot", default="./outputs", help="where runs live (default ./outputs)")
+    p.add_argument("--checkpoint", help="a run folder, a step_N folder or an HF model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[], help="accepted user key (repeat)")
+    p.add_argument("--key-file", help="file with one user key per line")
+    p.add_argument("--ssl-keyfile")
+    p.add_argument("--ssl-certfile")
+    args = p.parse_args(argv)
+    try:
+        serve_checkpoint(
+            args.checkpoint,
+            args.host,
+            args.port,
+            experiment=args.experiment,
+            trial=args.trial,
+            fileroot=args.fileroot,
+            api_keys=args.api_key,
+            key_file=args.key_file,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"areal-env serve: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,305 @@
+"""``areal-env serve-training CONFIG.yaml [section.key=value ...]``: the any-agent training service.
+
+Starts the inference engine, ``service.num_proxies`` proxies on it, the public gateway and a
+trainer whose batches come from sessions that external agents finalize (an
+``ExternalTrajectorySource`` instead of a dataset), then prints one line with the URL users
+point ``OPENAI_BASE_URL`` at (plus ``/v1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from areal_env.api.config import (
+    ConfigError,
+    ExperimentConfig,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+)
+from areal_env.service.config import ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+LISTENING = "areal-env any-agent server listening at {url}"
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
+
+
+def load_service_config(
+    path: str | None, overrides: list[str] | None = None
+) -> tuple[ExperimentConfig, ServiceConfig]:
+    """The experiment config and its ``service:`` section (also before the section is attached
+    to ``ExperimentConfig``: then it is split off the YAML and the overrides here)."""
+    if any(f.name == "service" for f in dataclasses.fields(ExperimentConfig)):
+        cfg = load_config(ExperimentConfig, path, overrides)
+        return cfg, cfg.service  # type: ignore[attr-defined]
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+    data = _deep_merge(data, parse_overrides(overrides or []))
+    service = data.pop("service", None) or {}
+    if not isinstance(service, dict):
+        raise ConfigError("service must be a mapping of fields")
+    return config_from_dict(ExperimentConfig, data), config_from_dict(ServiceConfig, service)
+
+
+def _tokenizer_of(engine: Any, cfg: ExperimentConfig) -> Any:
+    tok = getattr(engine, "tokenizer", None)
+    if tok is not None:
+        return tok
+    from transformers import AutoTokenizer
+
+    from areal_env.engine.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(
+        str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    )
+
+
+def create_engine(cfg: ExperimentConfig) -> Any:
+    try:
+        from areal_env.engine.factory import create_engine as factory
+    except ImportError:
+        from areal_env.engine.local import LocalEngine
+
+        return LocalEngine.from_config(cfg.model, cfg.engine)
+    return factory(cfg)
+
+
+class TrainingService:
+    """Engine + proxies + gateway + trajectory source, started and stopped together."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, service: ServiceConfig, *, engine: Any = None
+    ) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.engine = engine
+        self._own_engine = engine is None
+        self.proxies: list[Any] = []
+        self.gateway: Any = None
+        self.source: Any = None
+
+    def start(self) -> TrainingService:
+        from areal_env.proxy.server import ProxyServer
+        from areal_env.service.gateway import GatewayServer
+        from areal_env.service.source import ExternalTrajectorySource
+
+        try:
+            if self.engine is None:
+                self.engine = create_engine(self.cfg)
+                self.engine.initialize()
+            tokenizer = _tokenizer_of(self.engine, self.cfg)
+            for _ in range(self.service.num_proxies):
+                pcfg = dataclasses.replace(self.cfg.proxy, host="127.0.0.1", port=0)
+                self.proxies.append(ProxyServer(self.engine, tokenizer, pcfg).start())
+            self.source = ExternalTrajectorySource(
+                self.cfg.rollout, group_timeout=self.service.group_timeout
+            )
+            self.gateway = GatewayServer(
+                self.service,
+                backends=[(p.base_url, p.admin_key) for p in self.proxies],
+                source=self.source,
+                discount=self.cfg.rollout.discount,
+                export_style=self.cfg.rollout.export_style,
+            ).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.base_url
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        if self.source is not None:
+            self.source.close()
+        for p in self.proxies:
+            p.stop()
+        self.proxies = []
+        if self._own_engine and self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
+    def __enter__(self) -> TrainingService:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _push_weights(engine: Any, actor: Any, run_dir: Path, step: int) -> None:
+    if getattr(engine, "supports_state_dict_update", False):
+        engine.update_weights(actor.state_dict_for_engine())
+        return
+    folder = run_dir / "weights_push" / f"step_{step}"
+    actor.model.save_pretrained(str(folder), safe_serialization=True)
+    engine.update_weights(str(folder))
+
+
+async def run_training(
+    cfg: ExperimentConfig, engine: Any, source: Any, *, tokenizer: Any = None
+) -> dict[str, Any]:
+    """A minimal trainer loop on the external source: batch → PPO update → push → version + 1.
+
+    Until ``PPOTrainer`` takes a batch source, this is the service's trainer; it uses the same
+    actor, metrics and checkpoint layout (``run_dir/checkpoints/step_N/model``) as PPOTrainer,
+    so ``areal-env serve`` finds what it saved.
+    """
+    from areal_env.engine.models import resolve_model_path
+    from areal_env.trainer.actor import PPOActor
+    from areal_env.trainer.stats import MetricsLogger
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = str(
+        getattr(engine, "model_path", None)
+        or resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    )
+    actor = await asyncio.to_thread(
+        PPOActor,
+        model_path,
+        cfg.actor,
+        cfg.model,
+        temperature=cfg.gconfig.temperature,
+        seed=cfg.seed,
+    )
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.trainer.tensorboard)
+    version = int(engine.get_version())
+    source.set_version(version)
+    total = cfg.trainer.total_train_steps
+    step = 0
+    last: dict[str, Any] = {}
+    try:
+        while total is None or step < total:
+            batch, rstats = await source.rollout_batch(trainer_version=version)
+            if batch is None:
+                continue
+            tstats = await asyncio.to_thread(actor.update, batch, step=step)
+            await asyncio.to_thread(_push_weights, engine, actor, run_dir, step)
+            version += 1
+            engine.set_version(version)
+            source.set_version(version)
+            step += 1
+            last = {**{f"rollout/{k}": v for k, v in rstats.items()}, **tstats, "version": version}
+            metrics.log(step, last)
+            logger.info(
+                "step %d: reward %.3f over %d trajectories, weights version %d",
+                step,
+                rstats.get("reward/mean", 0.0),
+                int(rstats.get("episodes/accepted", 0)),
+                version,
+            )
+            freq = cfg.trainer.save_freq_steps
+            if freq and step % freq == 0:
+                await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
+    finally:
+        if step:
+            await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
+        metrics.close()
+    return {"steps": step, "version": version, **last}
+
+
+def _save(actor: Any, tokenizer: Any, run_dir: Path, step: int, version: int) -> Path:
+    from areal_env.trainer.checkpoint import save_checkpoint
+
+    return save_checkpoint(
+        run_dir / "checkpoints",
+        step,
+        model=actor.model,
+        tokenizer=tokenizer,
+        optimizer=actor.optimizer,
+        trainer_state={"version": version, "mode": "service"},
+        keep_last=3,
+    )
+
+
+def _write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
+    svc = await asyncio.to_thread(TrainingService(cfg, service).start)
+    try:
+        if service.admin_key is None:
+            key_path = cfg.run_dir / "service_admin_key"
+            _write_secret(key_path, svc.gateway.admin_key)
+        print(LISTENING.format(url=svc.base_url), flush=True)
+        if service.admin_key is None:
+            print(f"service admin key (issues user keys) written to {key_path}", flush=True)
+        if svc.gateway.gateway.open_mode:
+            print("no user keys configured: any API key is accepted (loopback only)", flush=True)
+        loop = asyncio.get_running_loop()
+        train = asyncio.create_task(
+            run_training(cfg, svc.engine, svc.source, tokenizer=_tokenizer_of(svc.engine, cfg))
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, train.cancel)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform
+                pass
+        try:
+            result = await train
+            logger.info("training finished: %s", {k: result[k] for k in ("steps", "version")})
+        except asyncio.CancelledError:
+            logger.info("interrupted: shutting down")
+        return 0
+    finally:
+        await asyncio.to_thread(svc.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="areal-env serve-training",
+        description="Any-agent training service: external agents train the model over HTTP. "
+        "Point OPENAI_BASE_URL at the printed URL + /v1.",
+    )
+    p.add_argument("config", nargs="?", help="experiment YAML (with an optional service: section)")
+    p.add_argument("overrides", nargs="*", help="section.key=value (e.g. service.port=8000)")
+    p.add_argument("--host", help="shortcut for service.host")
+    p.add_argument("--port", type=int, help="shortcut for service.port")
+    args = p.parse_args(argv)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).is_file():
+        overrides.insert(0, config)
+        config = None
+    if args.host:
+        overrides.append(f"service.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"service.port={args.port}")
+    try:
+        cfg, service = load_service_config(config, overrides)
+    except ConfigError as e:
+        print(f"areal-env serve-training: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve_training(cfg, service))

@@ -37,21 +37,23 @@ def sampling_log_probs(
     need_p = bool((top_p < 1.0).any())
     if not (need_k or need_p):
         return torch.log_softmax(scaled, dim=-1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    # Same arithmetic as transformers' TopK/TopP warpers (ascending sort, cumulative mass from the
+    # tail): in flat tails many tokens sit near the top-p boundary, and a different summation
+    # order would move it, so the trainer's HF-based recompute would disagree.
+    sorted_logits, order = scaled.sort(dim=-1, descending=False)
     vocab = scaled.shape[-1]
     if need_k:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        ranks = torch.arange(vocab, device=scaled.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        kth_largest = sorted_logits.gather(1, (vocab - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
     if need_p:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # rows with top_p == 1 never drop anything (avoid float noise at the tail)
-        p = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, float("inf")))
-        drop = mass_before >= p[:, None]
-        drop[:, 0] = False
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # rows with top_p == 1 drop nothing (threshold below any cumulative mass)
+        tail = torch.where(top_p < 1.0, 1.0 - top_p.double(), -1.0).to(cum.dtype)
+        drop = cum <= tail[:, None]
+        drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    filtered = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     return torch.log_softmax(filtered, dim=-1)
 
 
@@ -67,7 +69,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
     )
     top_k = torch.tensor([0 if r.greedy else r.top_k for r in rows], device=device)
     top_p = torch.tensor(
-        [1.0 if r.greedy else r.top_p for r in rows], dtype=torch.float32, device=device
+        [1.0 if r.greedy else r.top_p for r in rows], dtype=torch.float64, device=device
     )
     logp = sampling_log_probs(logits, temp, top_k, top_p)
     tokens: list[int] = []

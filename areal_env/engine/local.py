@@ -91,6 +91,7 @@ class LocalEngine:
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._live: dict[int, _Request] = {}  # id(request) -> request, until finished
         self._kv: BatchKV | None = None
         self._next_tokens: torch.Tensor | None = None  # [B] last sampled, not yet in the cache
         self._positions: torch.Tensor | None = None  # [B] position of the next fed token
@@ -346,7 +347,7 @@ class LocalEngine:
     def abort(self, rid: str) -> bool:
         """End request ``rid`` at the next step boundary with ``stop_reason="abort"``."""
         with self._cv:
-            for r in list(self._pending) + self._running:
+            for r in self._live.values():
                 if r.req.rid == rid and not r.done:
                     r.aborted = True
                     self._cv.notify_all()
@@ -426,6 +427,7 @@ class LocalEngine:
             if not self._alive:
                 raise EngineUnavailableError("LocalEngine was destroyed")
             self._pending.append(r)
+            self._live[id(r)] = r
             self._stats["requests"] += 1
             self._cv.notify_all()
         return r
@@ -455,6 +457,7 @@ class LocalEngine:
                 for r in self._running + admit:
                     if not r.done:
                         r.done = True
+                        self._live.pop(id(r), None)
                         r.deliver(RuntimeError(f"generation failed: {exc}"))
                 self._running, self._kv = [], None
                 self._next_tokens = self._positions = None
@@ -470,7 +473,7 @@ class LocalEngine:
         while self._pending and len(admit) < room:
             r = self._pending.popleft()
             if r.cancelled:
-                r.done = True
+                self._finish(r, "cancel")
                 continue
             if r.aborted:
                 self._finish(r, "abort")
@@ -559,7 +562,7 @@ class LocalEngine:
     def _record(
         self, rows: list[_Request], tokens: list[int], logps: list[float], version: int
     ) -> None:
-        for r, t, lp in zip(rows, tokens, logps):
+        for r, t, lp in zip(rows, tokens, logps, strict=True):
             r.out_tokens.append(t)
             r.out_logprobs.append(lp)
             r.out_versions.append(version)
@@ -626,6 +629,8 @@ class LocalEngine:
 
     def _finish(self, r: _Request, reason: str) -> None:
         r.done = True
+        with self._cv:
+            self._live.pop(id(r), None)
         if reason == "cancel":  # nobody awaits it any more
             self._stats["aborted"] += 1
             return

@@ -1,0 +1,452 @@
+"""Every error path over raw HTTP: right status, protocol's own error body, never 422/500,
+and no effect on other sessions. Plus capacity, session limits, TTL expiry and isolation."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from areal_env.api.config import ProxyConfig
+from areal_env.proxy.server import ProxyServer
+from tests.fixtures.proxy import open_session
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def _anthropic_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def http(proxy_server):
+    with httpx.Client(base_url=proxy_server.base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def key(proxy_server):
+    return open_session(proxy_server)[1]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+        (
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ],
+            },
+            "messages[0].content",
+        ),
+        ({"model": "m", "messages": MSGS, "n": 2}, "n"),
+        ({"model": "m", "messages": MSGS, "temperature": "hot"}, "temperature"),
+        ({"model": "m", "messages": MSGS, "temperature": 7}, "temperature"),
+        ({"model": "m", "messages": MSGS, "top_p": 2}, "top_p"),
+        ({"model": "m", "messages": MSGS, "max_tokens": 0}, "max_tokens"),
+        (
+            {"model": "m", "messages": MSGS, "max_completion_tokens": "many"},
+            "max_completion_tokens",
+        ),
+        ({"model": "m", "messages": MSGS, "stop": [1, 2]}, "stop"),
+        ({"model": "m", "messages": MSGS, "seed": 1.5}, "seed"),
+        ({"model": "m", "messages": MSGS, "stream": "yes"}, "stream"),
+        ({"model": "m", "messages": MSGS, "stream_options": 3}, "stream_options"),
+        ({"model": "m", "messages": MSGS, "top_logprobs": 3}, "top_logprobs"),
+        ({"model": "m", "messages": MSGS, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"model": "m", "messages": MSGS, "tools": {"a": 1}}, "tools"),
+        ({"model": "m", "messages": MSGS, "tools": [{"type": "retrieval"}]}, "tools[0]"),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "tools": [{"type": "function", "function": {"description": "no name"}}],
+            },
+            "tools[0].name",
+        ),
+        ({"model": "m", "messages": MSGS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"model": "m", "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 3}}],
+                    }
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+        ),
+    ],
+)
+def test_chat_validation_errors_are_400(http, key, body, param):
+    err = _openai_error(http.post(CHAT, json=body, headers=_auth(key)), 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_malformed_bodies_are_400(http, key, raw):
+    r = http.post(CHAT, content=raw, headers={**_auth(key), "content-type": "application/json"})
+    _openai_error(r, 400)
+
+
+def test_unknown_fields_are_ignored(http, key):
+    body = {
+        "model": "m",
+        "messages": MSGS,
+        "max_tokens": 2,
+        "frobnicate": {"x": 1},
+        "user": "u",
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+        "store": False,
+        "metadata": {"a": "b"},
+    }
+    r = http.post(CHAT, json=body, headers=_auth(key))
+    assert r.status_code == 200 and r.json()["model"] == "m"
+
+
+def test_auth_errors(http, proxy_server):
+    _openai_error(http.post(CHAT, json={"model": "m", "messages": MSGS}), 401)
+    _openai_error(
+        http.post(CHAT, json={"model": "m", "messages": MSGS}, headers=_auth("sk-areal-nope")), 401
+    )
+    _openai_error(
+        http.post(
+            CHAT, json={"model": "m", "messages": MSGS}, headers={"Authorization": "Basic abc"}
+        ),
+        401,
+    )
+    # the admin key is not a session key, and a session key is not the admin key
+    _openai_error(
+        http.post(
+            CHAT, json={"model": "m", "messages": MSGS}, headers=_auth(proxy_server.admin_key)
+        ),
+        401,
+    )
+    _, key = open_session(proxy_server)
+    for path, body in [
+        ("/rl/start_session", {}),
+        ("/grant_capacity", {"capacity": 1}),
+        ("/export_trajectories", {"session_id": "x"}),
+    ]:
+        _openai_error(http.post(path, json=body), 401)
+        _openai_error(http.post(path, json=body, headers=_auth(key)), 401)
+    _openai_error(http.post("/rl/set_reward", json={"reward": 1.0}), 401)
+    _openai_error(http.post("/rl/end_session", json={}), 401)
+
+
+def test_anthropic_errors_use_anthropic_format(http, key):
+    e = _anthropic_error(
+        http.post(
+            "/v1/messages", json={"model": "m", "messages": MSGS}, headers={"x-api-key": key}
+        ),
+        400,
+    )
+    assert e["type"] == "invalid_request_error" and "max_tokens" in e["message"]
+    e = _anthropic_error(
+        http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": MSGS}), 401
+    )
+    assert e["type"] == "authentication_error"
+    bad_blocks = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
+    _anthropic_error(
+        http.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 5, "messages": bad_blocks},
+            headers={"x-api-key": key},
+        ),
+        400,
+    )
+    _anthropic_error(
+        http.post(
+            "/v1/messages",
+            json={
+                "model": "m",
+                "max_tokens": 5,
+                "messages": MSGS,
+                "tools": [{"type": "web_search_20250305", "name": "w"}],
+            },
+            headers={"x-api-key": key},
+        ),
+        400,
+    )
+    _anthropic_error(
+        http.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+            headers={"x-api-key": key},
+        ),
+        400,
+    )
+    _anthropic_error(http.post("/v1/messages", content=b"{", headers={"x-api-key": key}), 400)
+
+
+def test_responses_errors(http, key):
+    _openai_error(
+        http.post("/v1/responses", json={"model": "m", "input": 5}, headers=_auth(key)), 400
+    )
+    _openai_error(
+        http.post(
+            "/v1/responses",
+            json={"model": "m", "input": "x", "tools": [{"type": "web_search"}]},
+            headers=_auth(key),
+        ),
+        400,
+    )
+    _openai_error(
+        http.post(
+            "/v1/responses", json={"model": "m", "input": [{"type": "mystery"}]}, headers=_auth(key)
+        ),
+        400,
+    )
+    _openai_error(
+        http.post(
+            "/v1/responses",
+            json={"model": "m", "input": "x", "previous_response_id": "resp_nope"},
+            headers=_auth(key),
+        ),
+        404,
+    )
+
+
+def test_unknown_route_and_method(http, key):
+    _openai_error(http.get("/v1/nothing", headers=_auth(key)), 404)
+    _openai_error(http.get(CHAT, headers=_auth(key)), 405)
+    _openai_error(http.get("/v1/models/other-model"), 404)
+
+
+def test_rl_endpoint_errors_and_isolation(http, proxy_server):
+    sid_a, key_a = open_session(proxy_server)
+    sid_b, key_b = open_session(proxy_server)
+    # nothing to reward yet
+    _openai_error(http.post("/rl/set_reward", json={"reward": 1.0}, headers=_auth(key_a)), 404)
+    rb = http.post(
+        CHAT, json={"model": "m", "messages": MSGS, "max_tokens": 2}, headers=_auth(key_b)
+    )
+    assert rb.status_code == 200
+    b_id = rb.json()["id"]
+    # A cannot touch B's completion; B can
+    _openai_error(
+        http.post(
+            "/rl/set_reward", json={"interaction_id": b_id, "reward": 1.0}, headers=_auth(key_a)
+        ),
+        404,
+    )
+    for bad in ["x", None, float("nan"), True]:
+        body = '{"reward": NaN}' if bad != bad else None
+        r = (
+            http.post(
+                "/rl/set_reward",
+                content=body,
+                headers={**_auth(key_b), "content-type": "application/json"},
+            )
+            if body
+            else http.post("/rl/set_reward", json={"reward": bad}, headers=_auth(key_b))
+        )
+        _openai_error(r, 400)
+    _openai_error(
+        http.post("/rl/set_reward", json={"interaction_id": 7, "reward": 1}, headers=_auth(key_b)),
+        400,
+    )
+    ok = http.post(
+        "/rl/set_reward", json={"interaction_id": b_id, "reward": 0.5}, headers=_auth(key_b)
+    )
+    assert ok.status_code == 200 and ok.json() == {"interaction_id": b_id, "reward": 0.5}
+    ok = http.post(
+        "/rl/set_reward", json={"reward": 0.25}, headers=_auth(key_b)
+    )  # last; rewards add
+    assert ok.json()["reward"] == 0.75
+    # export validation
+    admin = _auth(proxy_server.admin_key)
+    _openai_error(
+        http.post("/export_trajectories", json={"session_id": "sess-nope"}, headers=admin), 404
+    )
+    _openai_error(http.post("/export_trajectories", json={}, headers=admin), 400)
+    _openai_error(
+        http.post(
+            "/export_trajectories", json={"session_id": sid_b, "style": "zigzag"}, headers=admin
+        ),
+        400,
+    )
+    _openai_error(
+        http.post("/export_trajectories", json={"session_id": sid_b, "discount": 3}, headers=admin),
+        400,
+    )
+    _openai_error(http.post("/grant_capacity", json={"capacity": -1}, headers=admin), 400)
+    _openai_error(http.post("/rl/start_session", json={"metadata": [1]}, headers=admin), 400)
+    exp = http.post(
+        "/export_trajectories",
+        json={"session_id": sid_b, "discount": 0.9, "style": "concat"},
+        headers=admin,
+    )
+    assert exp.status_code == 200 and exp.json()["trajectories"]
+    # ending: chat after end is 409, ending twice is 409, export still works
+    assert http.post("/rl/end_session", headers=_auth(key_b)).status_code == 200
+    _openai_error(http.post(CHAT, json={"model": "m", "messages": MSGS}, headers=_auth(key_b)), 409)
+    _openai_error(http.post("/rl/end_session", headers=_auth(key_b)), 409)
+    _openai_error(http.post("/rl/set_reward", json={"reward": 1}, headers=_auth(key_b)), 409)
+    assert (
+        http.post("/export_trajectories", json={"session_id": sid_b}, headers=admin).json()["ended"]
+        is True
+    )
+    # A is unaffected by everything above
+    assert (
+        http.post(
+            CHAT, json={"model": "m", "messages": MSGS, "max_tokens": 2}, headers=_auth(key_a)
+        ).status_code
+        == 200
+    )
+
+
+def test_prompt_over_context_is_413(http, key, proxy_server):
+    huge = "hello " * (proxy_server.state.max_context_len + 10)
+    err = _openai_error(
+        http.post(
+            CHAT,
+            json={"model": "m", "messages": [{"role": "user", "content": huge}]},
+            headers=_auth(key),
+        ),
+        413,
+    )
+    assert err["code"] == "context_length_exceeded"
+    e = _anthropic_error(
+        http.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": huge}]},
+            headers={"x-api-key": key},
+        ),
+        413,
+    )
+    assert e["type"] == "request_too_large"
+
+
+def test_capacity_limits_and_ttl(engine):
+    cfg = ProxyConfig(initial_capacity=0, max_interactions_per_session=1, session_ttl=1.0)
+    with (
+        ProxyServer(engine, engine.tokenizer, cfg) as p,
+        httpx.Client(base_url=p.base_url, timeout=120) as http,
+    ):
+        admin = _auth(p.admin_key)
+        _openai_error(http.post("/rl/start_session", json={}, headers=admin), 429)
+        assert http.post("/grant_capacity", json={"capacity": 2}, headers=admin).json() == {
+            "capacity": 2
+        }
+        key = http.post("/rl/start_session", json={"task_id": 1}, headers=admin).json()["api_key"]
+        r = http.post(
+            CHAT, json={"model": "m", "messages": MSGS, "max_tokens": 2}, headers=_auth(key)
+        )
+        assert r.status_code == 200
+        err = _openai_error(
+            http.post(
+                CHAT,
+                json={
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 2,
+                },
+                headers=_auth(key),
+            ),
+            413,
+        )
+        assert err["code"] == "session_limit"
+        # TTL: an idle session expires; its key then answers 410
+        key2 = http.post("/rl/start_session", json={}, headers=admin).json()["api_key"]
+        assert http.post("/rl/start_session", json={}, headers=admin).status_code == 429
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and http.get("/health").json()["sessions_held"] > 0:
+            time.sleep(0.2)
+        _openai_error(
+            http.post(CHAT, json={"model": "m", "messages": MSGS}, headers=_auth(key2)), 410
+        )
+        assert http.get("/health").json()["sessions_expired"] == 2
+
+
+def test_engine_unavailable_is_503(model_path, tokenizer):
+    from areal_env.engine.local import LocalEngine
+
+    down = LocalEngine(model_path)  # never initialized: a real engine that cannot serve
+    with ProxyServer(down, tokenizer) as p, httpx.Client(base_url=p.base_url, timeout=30) as http:
+        key = open_session(p)[1]
+        err = _openai_error(
+            http.post(CHAT, json={"model": "m", "messages": MSGS}, headers=_auth(key)), 503
+        )
+        assert err["code"] == "engine_unavailable"
+        _openai_error(
+            http.post(
+                CHAT, json={"model": "m", "messages": MSGS, "stream": True}, headers=_auth(key)
+            ),
+            503,
+        )
+        _anthropic_error(
+            http.post(
+                "/v1/messages",
+                json={"model": "m", "max_tokens": 3, "messages": MSGS},
+                headers={"x-api-key": key},
+            ),
+            503,
+        )
+        assert http.get("/health").status_code == 200
+
+
+def test_refuses_weak_admin_key_off_loopback(engine):
+    for key in (None, "admin", "short"):
+        with pytest.raises(ValueError, match="admin key"):
+            ProxyServer(engine, engine.tokenizer, ProxyConfig(host="0.0.0.0", admin_key=key))
+    with pytest.raises(ValueError):
+        ProxyServer(engine, engine.tokenizer, ProxyConfig(admin_key="  "))
+
+
+def test_keys_never_logged(engine, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    with (
+        ProxyServer(engine, engine.tokenizer) as p,
+        httpx.Client(base_url=p.base_url, timeout=60) as http,
+    ):
+        key = open_session(p)[1]
+        http.post(CHAT, json={"model": "m", "messages": MSGS, "max_tokens": 1}, headers=_auth(key))
+        http.post(CHAT, json={"model": "m"}, headers=_auth(key))
+        http.post(CHAT, json={"model": "m"}, headers=_auth(key + "x"))
+        admin = p.admin_key
+    assert key not in caplog.text and admin not in caplog.text

@@ -1,0 +1,436 @@
+"""``RolloutExecutor``: runs episodes with bounded concurrency and bounded staleness.
+
+Two ways to use it:
+
+* ``await executor.rollout_batch(items, trainer_version=v)`` — run these items now (each item is
+  one group of ``n_samples`` episodes when the workflow is grouped) and return the batch. This is
+  the synchronous mode used with ``rollout.max_head_offpolicyness = 0``.
+* ``executor.submit(item)`` / ``executor.feed(iterable)`` + ``await executor.next_batch(
+  trainer_version=v)`` — background prefetch: rollouts of the next batches start while the
+  trainer trains, as far as the staleness bound allows.
+
+Staleness bound (k = ``rollout.max_head_offpolicyness``, B = ``rollout.batch_size``): a group
+starts only when the engine's weights are at most k versions behind the trainer version, and
+(in prefetch mode) only while ``accepted + running`` groups stay below
+``(version - version_at_start + k + 1) * B``. So every consumed group was started on weights at
+most k versions older than the trainer that consumes it.
+
+Concurrency: ``rollout.max_concurrent_rollouts`` counts episodes (agent runs); a group of n
+occupies n of them (at least one group always runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areal_env.api.config import RolloutConfig
+from areal_env.api.workflow import RolloutWorkflow
+from areal_env.workflow.batch import concat_tensor_dicts, trajectory_rewards
+from areal_env.workflow.grouped import run_member
+from areal_env.workflow.proxy_workflow import EpisodeRecord
+
+logger = logging.getLogger(__name__)
+
+_NOTHING = object()
+
+
+@dataclass
+class GroupResult:
+    """One item's outcome: its rows (None = rejected) and the records of its episodes."""
+
+    item: Any
+    out: dict[str, torch.Tensor] | None
+    records: list[EpisodeRecord] = field(default_factory=list)
+    start_version: int | None = None
+    trainer_version: int = 0
+    wall_time: float = 0.0
+
+
+class StalenessDeadlock(RuntimeError):
+    """next_batch cannot make progress: the staleness bound is full and the version did not move."""
+
+
+class RolloutExecutor:
+    """Runs a RolloutWorkflow over dataset items and assembles training batches."""
+
+    def __init__(
+        self,
+        engine: Any,
+        workflow: RolloutWorkflow,
+        rollout: RolloutConfig,
+        *,
+        proxy_base_url: str | None = None,
+        admin_key: str | None = None,
+        show_progress: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.workflow = workflow
+        self.rollout = rollout
+        self.proxy_base_url = proxy_base_url.rstrip("/") if proxy_base_url else None
+        self.admin_key = admin_key
+        self.show_progress = show_progress
+        self.group_size = int(getattr(workflow, "n_samples", 1))
+        self.sessions_per_group = int(getattr(workflow, "sessions_per_episode", 0))
+        self.uses_proxy = bool(self.proxy_base_url and self.admin_key and self.sessions_per_group)
+        self.max_running_groups = max(1, rollout.max_concurrent_rollouts // max(1, self.group_size))
+        self._version = self._engine_version() or 0
+        self.last_episodes: list[dict[str, Any]] = []
+        # prefetch state
+        self._pending: collections.deque[Any] = collections.deque()
+        self._feed: Iterator[Any] | None = None
+        self._ready: collections.deque[GroupResult] = collections.deque()
+        self._rejected: list[GroupResult] = []
+        self._running = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._accepted_total = 0
+        self._v0: int | None = None
+        self._wake: asyncio.Event | None = None
+        self._progress: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._grant_client: Any = None
+        self.peak_running_groups = 0
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        """The trainer's version (number of policy updates); wakes the prefetcher."""
+        self._version = int(version)
+        if self._wake is not None:
+            self._wake.set()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def _engine_version(self) -> int | None:
+        get = getattr(self.engine, "get_version", None)
+        if get is None:
+            return None
+        try:
+            return int(get())
+        except Exception:
+            return None
+
+    def _weights_fresh(self, trainer_version: int) -> bool:
+        v = self._engine_version()
+        return v is None or v >= trainer_version - self.rollout.max_head_offpolicyness
+
+    async def _wait_fresh_weights(self, trainer_version: int) -> None:
+        deadline = time.monotonic() + self.rollout.episode_timeout
+        while not self._weights_fresh(trainer_version):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine weights (version {self._engine_version()}) stayed more than "
+                    f"{self.rollout.max_head_offpolicyness} versions behind trainer version "
+                    f"{trainer_version}"
+                )
+            await asyncio.sleep(0.02)
+
+    # -- one group -----------------------------------------------------------------------------
+
+    async def _grant(self) -> None:
+        if not self.uses_proxy:
+            return
+        from areal_env.proxy.client import grant_capacity
+
+        try:
+            await grant_capacity(self.proxy_base_url, self.admin_key, self.sessions_per_group)
+        except Exception as e:  # sessions will be refused (429) and rejected; keep training
+            logger.warning("grant_capacity(%d) failed: %s", self.sessions_per_group, e)
+
+    async def _run_group(self, item: Any, trainer_version: int) -> GroupResult:
+        t0 = time.monotonic()
+        start_version = self._engine_version()
+        out, records = await run_member(self.workflow, self.engine, item, None)
+        if out is not None and "traj_ids" not in out:
+            out = dict(out)
+            out["traj_ids"] = torch.zeros(out["input_ids"].shape[0], dtype=torch.int64)
+        for r in records:
+            if r.start_version is None:
+                r.start_version = start_version
+        return GroupResult(
+            item, out, records, start_version, trainer_version, time.monotonic() - t0
+        )
+
+    def _progress_bar(self, total: int, desc: str) -> Any:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="ep", leave=False, disable=not self.show_progress)
+
+    # -- synchronous mode ------------------------------------------------------------------------
+
+    async def rollout_batch(
+        self, items: list[dict[str, Any]], *, trainer_version: int
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+        """Run every item once (bounded concurrency) and return (batch or None, stats)."""
+        if self._dispatcher is not None:
+            raise RuntimeError("rollout_batch cannot be mixed with submit/next_batch prefetching")
+        self.set_version(trainer_version)
+        t0 = time.monotonic()
+        sem = asyncio.Semaphore(self.max_running_groups)
+        running = 0
+        bar = self._progress_bar(len(items) * self.group_size, f"rollout v{trainer_version}")
+        accepted = rejected = 0
+
+        async def one(item: Any) -> GroupResult:
+            nonlocal running, accepted, rejected
+            async with sem:
+                await self._wait_fresh_weights(trainer_version)
+                await self._grant()
+                running += 1
+                self.peak_running_groups = max(self.peak_running_groups, running)
+                try:
+                    g = await self._run_group(item, trainer_version)
+                finally:
+                    running -= 1
+            n_ok = sum(r.accepted for r in g.records)
+            accepted += n_ok
+            rejected += len(g.records) - n_ok
+            bar.update(len(g.records))
+            bar.set_postfix(accepted=accepted, rejected=rejected, refresh=False)
+            return g
+
+        try:
+            results = await asyncio.gather(*(one(it) for it in items))
+        finally:
+            bar.close()
+        return self._assemble(list(results), trainer_version, time.monotonic() - t0)
+
+    # -- prefetch mode -------------------------------------------------------------------------
+
+    def submit(self, item: Any) -> None:
+        """Queue one item; it starts in the background as soon as the bounds allow."""
+        self._pending.append(item)
+        self._ensure_dispatcher()
+
+    def feed(self, items: Iterable[Any]) -> None:
+        """Draw items lazily from ``items`` whenever a new group may start (after ``submit``-ed ones)."""
+        self._feed = iter(items)
+        self._ensure_dispatcher()
+
+    def _ensure_dispatcher(self) -> None:
+        if self._dispatcher is None or self._dispatcher.done():
+            if self._v0 is None:
+                self._v0 = self._version
+            self._wake = asyncio.Event()
+            self._progress = asyncio.Event()
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+        assert self._wake is not None
+        self._wake.set()
+
+    def capacity(self) -> int:
+        """Groups that may still start under the staleness bound (prefetch mode)."""
+        v0 = self._v0 if self._v0 is not None else self._version
+        limit = (
+            self._version - v0 + self.rollout.max_head_offpolicyness + 1
+        ) * self.rollout.batch_size
+        return limit - self._accepted_total - self._running
+
+    def _can_start(self) -> bool:
+        return (
+            self._running < self.max_running_groups
+            and self.capacity() > 0
+            and self._weights_fresh(self._version)
+        )
+
+    def _next_item(self) -> Any:
+        if self._pending:
+            return self._pending.popleft()
+        if self._feed is not None:
+            try:
+                return next(self._feed)
+            except StopIteration:
+                self._feed = None
+        return _NOTHING
+
+    def _has_input(self) -> bool:
+        return bool(self._pending) or self._feed is not None
+
+    async def _dispatch(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            while self._has_input() and self._can_start():
+                item = self._next_item()
+                if item is _NOTHING:
+                    break
+                self._running += 1
+                self.peak_running_groups = max(self.peak_running_groups, self._running)
+                await self._grant()
+                task = asyncio.get_running_loop().create_task(
+                    self._prefetch_one(item, self._version)
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            lagging = self._has_input() and not self._weights_fresh(self._version)
+            if lagging:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.02)
+            else:
+                await self._wake.wait()
+
+    async def _prefetch_one(self, item: Any, trainer_version: int) -> None:
+        try:
+            g = await self._run_group(item, trainer_version)
+        except asyncio.CancelledError:
+            self._running -= 1
+            raise
+        except Exception as e:  # run_member never raises; this is a bug guard
+            logger.exception("rollout group failed: %s", e)
+            g = GroupResult(item, None, [], None, trainer_version)
+        self._running -= 1
+        if g.out is not None:
+            self._accepted_total += 1
+            self._ready.append(g)
+        else:
+            self._rejected.append(g)
+        assert self._wake is not None and self._progress is not None
+        self._progress.set()
+        self._wake.set()
+
+    async def next_batch(
+        self, *, trainer_version: int | None = None, batch_size: int | None = None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+        """Wait for ``batch_size`` accepted groups (fewer when the input runs out) and return them."""
+        if trainer_version is not None:
+            self.set_version(trainer_version)
+        self._ensure_dispatcher()
+        assert self._progress is not None
+        bs = batch_size or self.rollout.batch_size
+        t0 = time.monotonic()
+        bar = self._progress_bar(bs * self.group_size, f"rollout v{self._version}")
+        shown = 0
+        try:
+            while len(self._ready) < bs:
+                if not self._has_input() and self._running == 0:
+                    break
+                if self._running == 0 and self.capacity() <= 0:
+                    raise StalenessDeadlock(
+                        f"no rollout may start: {self._accepted_total} groups accepted since "
+                        f"version {self._v0} fill the staleness bound at version {self._version}; "
+                        "call set_version() after each training step"
+                    )
+                self._progress.clear()
+                await self._progress.wait()
+                n = min(len(self._ready), bs)
+                if n > shown:
+                    bar.update((n - shown) * self.group_size)
+                    shown = n
+        finally:
+            bar.close()
+        taken = [self._ready.popleft() for _ in range(min(bs, len(self._ready)))]
+        rejected, self._rejected = self._rejected, []
+        return self._assemble(taken + rejected, self._version, time.monotonic() - t0)
+
+    # -- assembling ----------------------------------------------------------------------------
+
+    def _assemble(
+        self, groups: list[GroupResult], trainer_version: int, wall_time: float
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+        parts: list[dict[str, torch.Tensor]] = []
+        episodes: list[dict[str, Any]] = []
+        traj_offset = 0
+        for g in groups:
+            group_index = len(parts) if g.out is not None else -1
+            for r in g.records:
+                d = r.to_dict()
+                d["group_index"] = group_index
+                d["trainer_version"] = trainer_version
+                episodes.append(d)
+            if g.out is None:
+                continue
+            td = dict(g.out)
+            local = td["traj_ids"]
+            uniq, inverse = torch.unique(local, return_inverse=True)
+            td["traj_ids"] = inverse.to(torch.int64) + traj_offset
+            traj_offset += int(uniq.numel())
+            td["group_ids"] = torch.full_like(td["traj_ids"], len(parts))
+            parts.append(td)
+        self.last_episodes = episodes
+        batch = concat_tensor_dicts(parts) if parts else None
+        records = [r for g in groups for r in g.records]
+        stats = compute_stats(batch, records, groups, trainer_version, wall_time)
+        return batch, stats
+
+    async def aclose(self) -> None:
+        """Cancel background work and close the workflow's resources."""
+        tasks = list(self._tasks)
+        if self._dispatcher is not None:
+            tasks.append(self._dispatcher)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._dispatcher = None
+        close = getattr(self.workflow, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def compute_stats(
+    batch: dict[str, torch.Tensor] | None,
+    records: list[EpisodeRecord],
+    groups: list[GroupResult],
+    trainer_version: int,
+    wall_time: float,
+) -> dict[str, float]:
+    """Per-batch rollout statistics (flat ``name -> float``, ready for logging)."""
+    stats: dict[str, float] = {
+        "episodes/accepted": float(sum(r.accepted for r in records)),
+        "episodes/rejected": float(sum(not r.accepted for r in records)),
+        "groups/accepted": float(sum(g.out is not None for g in groups)),
+        "groups/rejected": float(sum(g.out is None for g in groups)),
+        "groups/zero_variance": 0.0,
+        "tool_parse_failures": 0.0,
+        "time/wall": float(wall_time),
+    }
+    for r in records:
+        if not r.accepted and r.reason:
+            stats[f"rejected/{r.reason}"] = stats.get(f"rejected/{r.reason}", 0.0) + 1
+        for key in ("tool_parse_failures", "tool_parse_errors"):
+            value = r.export_stats.get(key)
+            if isinstance(value, (int, float)):
+                stats["tool_parse_failures"] += float(value)
+                break
+    if batch is None:
+        stats.update({"rows": 0.0, "tokens/output": 0.0, "tokens/total": 0.0})
+        return stats
+    traj_rewards = trajectory_rewards(batch)
+    values = torch.tensor(list(traj_rewards.values()), dtype=torch.float64)
+    stats["reward/mean"] = float(values.mean())
+    stats["reward/std"] = float(values.std(unbiased=False)) if values.numel() > 1 else 0.0
+    stats["reward/min"] = float(values.min())
+    stats["reward/max"] = float(values.max())
+    gids, tids = batch["group_ids"], batch["traj_ids"]
+    for gid in torch.unique(gids).tolist():
+        members = torch.unique(tids[gids == gid]).tolist()
+        rs = [traj_rewards[int(t)] for t in members]
+        if len(rs) > 1 and max(rs) - min(rs) < 1e-8:
+            stats["groups/zero_variance"] += 1
+    stale = []
+    for t in torch.unique(tids).tolist():
+        v = batch["versions"][tids == t]
+        v = v[v >= 0]
+        if v.numel():
+            stale.append(trainer_version - int(v.min()))
+    stats["staleness/mean"] = float(sum(stale) / len(stale)) if stale else 0.0
+    stats["staleness/max"] = float(max(stale)) if stale else 0.0
+    stats["rows"] = float(batch["input_ids"].shape[0])
+    stats["tokens/output"] = float(batch["loss_mask"].sum())
+    stats["tokens/total"] = float(batch["attention_mask"].sum())
+    if wall_time > 0:
+        stats["tokens/output_per_s"] = stats["tokens/output"] / wall_time
+    for k, v in list(stats.items()):
+        if isinstance(v, float) and not math.isfinite(v):
+            stats[k] = 0.0
+    return stats

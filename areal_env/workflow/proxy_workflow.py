@@ -1,0 +1,394 @@
+"""``OpenAIProxyWorkflow``: run an unmodified agent against the proxy and export its trajectory.
+
+One episode = one proxy session: start the session, run ``agent.run(data, ...)`` pointed at the
+proxy, turn its return value into rewards, end the session and export the recorded completions
+as training rows. Whatever goes wrong inside the agent (exceptions, hangs, bad return values,
+no model calls) rejects only that episode: it is logged once per distinct error, counted, and
+the method returns ``None`` — training never crashes because of an agent.
+
+Episode metadata (for statistics and trajectory dumps) is not mixed into the returned tensors.
+Each episode appends one :class:`EpisodeRecord` to the *episode sink* of the current context
+(``episode_sink()``), which the executor and ``GroupedRolloutWorkflow`` open around every
+episode; outside a sink the records are only counted in ``workflow.stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import math
+import numbers
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from areal_env.api.config import RolloutConfig
+from areal_env.api.workflow import RolloutWorkflow
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Episode records and the sink they go to
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeRecord:
+    """What happened in one episode (accepted or rejected); JSON-serialisable via ``to_dict``."""
+
+    task_id: str | None = None
+    group_id: str | None = None
+    traj_index: int = 0
+    session_id: str | None = None
+    accepted: bool = False
+    reason: str | None = None
+    """Why it was rejected: agent_error | timeout | bad_reward | no_completions | proxy_error |
+    workflow_rejected."""
+    error: str | None = None
+    reward: Any = None
+    """The agent's return value once validated (a float or ``{completion_id: float}``)."""
+    interactions: list[dict[str, Any]] = field(default_factory=list)
+    export_stats: dict[str, Any] = field(default_factory=dict)
+    n_rows: int = 0
+    output_tokens: int = 0
+    min_version: int | None = None
+    max_version: int | None = None
+    start_version: int | None = None
+    wall_time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_EPISODE_SINK: contextvars.ContextVar[list[EpisodeRecord] | None] = contextvars.ContextVar(
+    "areal_env_episode_sink", default=None
+)
+#: Set by GroupedRolloutWorkflow so member sessions carry the group id to the proxy.
+current_group_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "areal_env_group_id", default=None
+)
+
+
+@contextlib.contextmanager
+def episode_sink() -> Iterator[list[EpisodeRecord]]:
+    """Collect the EpisodeRecords of episodes run in this context (task-local)."""
+    sink: list[EpisodeRecord] = []
+    token = _EPISODE_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _EPISODE_SINK.reset(token)
+
+
+def record_episode(rec: EpisodeRecord) -> None:
+    """Append ``rec`` to the current sink, if any."""
+    sink = _EPISODE_SINK.get()
+    if sink is not None:
+        sink.append(rec)
+
+
+_seen_errors: set[tuple[str, ...]] = set()
+_seen_lock = threading.Lock()
+
+
+def log_rejection(reason: str, message: str, tb: str | None = None) -> None:
+    """Log a rejected episode: with its traceback the first time an error is seen, then quietly."""
+    key = (reason, message[:300])
+    with _seen_lock:
+        first = key not in _seen_errors
+        if first:
+            _seen_errors.add(key)
+    if first:
+        if tb:
+            logger.warning("episode rejected (%s): %s\n%s", reason, message, tb.rstrip())
+        else:
+            logger.warning("episode rejected (%s): %s", reason, message)
+    else:
+        logger.debug("episode rejected (%s, seen before): %s", reason, message)
+
+
+def task_id_of(data: Any) -> str | None:
+    if isinstance(data, dict):
+        for key in ("task_id", "id", "query_id"):
+            if data.get(key) is not None:
+                return str(data[key])
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Reward validation
+# --------------------------------------------------------------------------------------------
+
+
+class BadReward(ValueError):
+    """The agent's return value cannot be used as a reward."""
+
+
+def _as_finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadReward(f"{what} must be a number, got {type(value).__name__}: {value!r:.80}")
+    f = float(value)
+    if not math.isfinite(f):
+        raise BadReward(f"{what} is not finite: {f}")
+    return f
+
+
+def validate_reward(value: Any) -> float | dict[str, float]:
+    """A float (reward of the last completion) or ``{completion_id: float}``; else BadReward."""
+    if isinstance(value, dict):
+        if not value:
+            raise BadReward("the agent returned an empty reward dict")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise BadReward(f"reward dict keys must be completion ids (str), got {k!r}")
+            out[k] = _as_finite(v, f"reward for {k!r}")
+        return out
+    if value is None:
+        raise BadReward("the agent returned None; return a float or {completion_id: float}")
+    return _as_finite(value, "the agent's reward")
+
+
+# --------------------------------------------------------------------------------------------
+# The workflow
+# --------------------------------------------------------------------------------------------
+
+
+class _SharedAsyncClient(httpx.AsyncClient):
+    """The httpx client handed to agents; closing it from agent code is a no-op.
+
+    SDK clients close the ``http_client`` they were given (``async with AsyncOpenAI(...)``);
+    that must not break the other episodes sharing it.
+    """
+
+    async def aclose(self) -> None:  # noqa: D102 - intentionally ignored
+        return None
+
+    async def really_close(self) -> None:
+        await super().aclose()
+
+
+def accepted_kwargs(fn: Any, candidates: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``candidates`` that ``fn`` accepts as keyword arguments."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    params = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(candidates)
+    names = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {k: v for k, v in candidates.items() if k in names}
+
+
+class OpenAIProxyWorkflow(RolloutWorkflow):
+    """Runs ``agent.run(data, ...)`` through the proxy, one session per episode.
+
+    ``rollout.mode="inline"``: ``await agent.run(data, base_url=<proxy>/v1, api_key=<session key>,
+    http_client=<shared httpx.AsyncClient>)`` (only the keywords ``run`` accepts are passed).
+    ``rollout.mode="subproc"``: ``run(data)`` (sync or async) in a worker process whose
+    environment has ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and ``ANTHROPIC_BASE_URL``/
+    ``ANTHROPIC_API_KEY`` pointing at the session. Both modes reject an episode that runs longer
+    than ``rollout.episode_timeout``.
+    """
+
+    sessions_per_episode = 1
+
+    def __init__(
+        self,
+        agent: Any,
+        *,
+        proxy_base_url: str,
+        admin_key: str,
+        rollout: RolloutConfig,
+        http_client: httpx.AsyncClient | None = None,
+        agent_import: str | None = None,
+        agent_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not callable(getattr(agent, "run", None)):
+            raise TypeError(f"{agent!r} has no run(data, **extra_kwargs) method")
+        self.agent = agent
+        self.proxy_base_url = proxy_base_url.rstrip("/")
+        self.admin_key = admin_key
+        self.rollout = rollout
+        self.agent_import = agent_import
+        self.agent_kwargs = dict(agent_kwargs or {})
+        self._user_client = http_client
+        self._clients: dict[int, _SharedAsyncClient] = {}
+        self._pool: Any = None
+        self.stats: Counter[str] = Counter()
+        if rollout.mode == "inline" and not inspect.iscoroutinefunction(agent.run):
+            raise TypeError(
+                f"{type(agent).__name__}.run is synchronous; inline mode needs 'async def run', "
+                "or use rollout.mode='subproc'"
+            )
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _http_client(self) -> httpx.AsyncClient:
+        if self._user_client is not None:
+            return self._user_client
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(id(loop))
+        if client is None or client.is_closed:
+            client = _SharedAsyncClient(
+                timeout=httpx.Timeout(self.rollout.episode_timeout, connect=30.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+            self._clients[id(loop)] = client
+        return client
+
+    def _subproc_pool(self) -> Any:
+        if self._pool is None:
+            from areal_env.workflow.subproc import AgentSpec, SubprocAgentPool
+
+            spec = AgentSpec.from_agent(self.agent, self.agent_import, self.agent_kwargs)
+            self._pool = SubprocAgentPool(
+                spec, max_workers=max(1, self.rollout.max_concurrent_rollouts)
+            )
+        return self._pool
+
+    async def aclose(self) -> None:
+        """Close the shared HTTP client(s) and stop subprocess workers."""
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.really_close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await asyncio.to_thread(pool.close)
+
+    # -- one episode ---------------------------------------------------------------------------
+
+    def _reject(self, rec: EpisodeRecord, reason: str, message: str, tb: str | None = None) -> None:
+        rec.accepted = False
+        rec.reason = reason
+        rec.error = message
+        self.stats["rejected"] += 1
+        self.stats[f"rejected/{reason}"] += 1
+        log_rejection(reason, message, tb)
+
+    async def _call_agent(self, data: dict[str, Any], session: Any) -> Any:
+        if self.rollout.mode == "subproc":
+            env = {
+                "OPENAI_BASE_URL": f"{self.proxy_base_url}/v1",
+                "OPENAI_API_KEY": session.api_key,
+                "ANTHROPIC_BASE_URL": self.proxy_base_url,
+                "ANTHROPIC_API_KEY": session.api_key,
+            }
+            extra = {"base_url": f"{self.proxy_base_url}/v1", "api_key": session.api_key}
+            return await self._subproc_pool().run(
+                data, env=env, extra=extra, timeout=self.rollout.episode_timeout
+            )
+        extra = accepted_kwargs(
+            self.agent.run,
+            {
+                "base_url": f"{self.proxy_base_url}/v1",
+                "api_key": session.api_key,
+                "http_client": self._http_client(),
+            },
+        )
+        return await asyncio.wait_for(
+            self.agent.run(data, **extra), timeout=self.rollout.episode_timeout
+        )
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
+        rec = EpisodeRecord(task_id=task_id_of(data), group_id=current_group_id.get())
+        if engine is not None and hasattr(engine, "get_version"):
+            with contextlib.suppress(Exception):
+                rec.start_version = int(engine.get_version())
+        t0 = time.monotonic()
+        try:
+            result = await self._episode(data, rec)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the proxy itself failed (start/export): reject, never crash
+            self._reject(rec, "proxy_error", f"{type(e).__name__}: {e}", traceback.format_exc())
+            result = None
+        rec.wall_time = time.monotonic() - t0
+        if result is not None:
+            rec.accepted = True
+            self.stats["accepted"] += 1
+        record_episode(rec)
+        return result
+
+    async def _episode(self, data: dict[str, Any], rec: EpisodeRecord) -> dict[str, Any] | None:
+        from areal_env.proxy.client import OpenAIProxyClient
+
+        async with OpenAIProxyClient(
+            self.proxy_base_url,
+            self.admin_key,
+            http_client=self._http_client(),
+            task_id=rec.task_id,
+            group_id=rec.group_id,
+        ) as session:
+            rec.session_id = session.session_id
+            try:
+                ret = await self._call_agent(data, session)
+            except TimeoutError:
+                self._reject(
+                    rec, "timeout", f"agent ran longer than {self.rollout.episode_timeout}s"
+                )
+                return None
+            except Exception as e:
+                tb = getattr(e, "remote_traceback", None) or traceback.format_exc()
+                self._reject(rec, "agent_error", f"{type(e).__name__}: {e}", tb)
+                return None
+            try:
+                reward = validate_reward(ret)
+            except BadReward as e:
+                self._reject(rec, "bad_reward", str(e))
+                return None
+            rec.reward = reward
+            try:
+                if isinstance(reward, dict):
+                    for cid, r in reward.items():
+                        await session.set_reward(r, interaction_id=cid)
+                else:
+                    await session.set_reward(reward)
+            except Exception as e:
+                exported = await session.export(
+                    discount=self.rollout.discount, style=self.rollout.export_style
+                )
+                if not exported.get("trajectories"):
+                    self._reject(rec, "no_completions", "the agent made no model calls")
+                else:
+                    self._reject(rec, "bad_reward", f"could not set reward {reward!r}: {e}")
+                return None
+            await session.end()
+            exported = await session.export(
+                discount=self.rollout.discount, style=self.rollout.export_style
+            )
+        return self._to_tensors(exported, rec)
+
+    def _to_tensors(self, exported: dict[str, Any], rec: EpisodeRecord) -> dict[str, Any] | None:
+        from areal_env.proxy.cache import to_tensor_dict
+
+        rows = exported.get("trajectories") or {}
+        rec.interactions = list(exported.get("interactions") or [])
+        rec.export_stats = dict(exported.get("stats") or {})
+        if not rows:
+            self._reject(rec, "no_completions", "the agent made no model calls")
+            return None
+        td = to_tensor_dict(rows)
+        versions = td["versions"][td["versions"] >= 0]
+        rec.n_rows = int(td["input_ids"].shape[0])
+        rec.output_tokens = int(td["loss_mask"].sum())
+        if versions.numel():
+            rec.min_version = int(versions.min())
+            rec.max_version = int(versions.max())
+        return td

@@ -110,12 +110,14 @@ class ChatRenderer:
     """Renders OpenAI-format messages to token ids with the tokenizer's chat template.
 
     ``tool_parser``: a family name (``hermes``, ``qwen``, ``llama3``, ``mistral``, ``none``) or
-    ``auto`` (detected from the template). The instance is stateless after construction and
-    safe to share between threads and sessions.
+    ``auto`` (detected from the template). ``worked_example``: for templates that ignore tools,
+    also put one example exchange (a request and its call) after the system prompt. The
+    instance is stateless after construction and safe to share between threads and sessions.
     """
 
-    def __init__(self, tokenizer: Any, tool_parser: str = "auto"):
+    def __init__(self, tokenizer: Any, tool_parser: str = "auto", *, worked_example: bool = True):
         self.tokenizer = tokenizer
+        self.worked_example = worked_example
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError("the tokenizer has no chat template; the proxy needs one")
@@ -380,6 +382,8 @@ class ChatRenderer:
                 }
             else:
                 out.insert(0, {"role": "system", "content": instructions})
+            if self.worked_example:
+                out[1:1] = self._format.worked_example(offered, tool_choice)
         return out, None
 
     @staticmethod

@@ -220,28 +220,41 @@ class ToolParser:
         if not specs or not self.call_format_hint:
             return ""
         forced = tool_choice_name(tool_choice)
-        example_fn = next((s for s in specs if s["name"] == forced), specs[0])
-        example = self.format_calls(
-            [{"name": example_fn["name"], "arguments": example_arguments(example_fn)}]
-        )
         lines = [
-            "You can call functions (tools) to help with the user's request. "
-            "The available tools are listed as JSON inside <tools></tools>:",
-            "<tools>",
-            json.dumps(specs, ensure_ascii=False),
-            "</tools>",
-            "To call tools, reply with the call(s) in exactly this format:",
+            "You solve tasks by composing function calls. You get a question and a set of "
+            "functions (tools); decide which calls answer the question and make them.",
+            "You have access to these tools:",
+            f"<tools>{json.dumps(specs, ensure_ascii=False)}</tools>",
+            "A call MUST strictly follow this format, with NO other text:",
             self.call_format_hint,
-            f"For example, a call of `{example_fn['name']}` looks like this:",
-            example,
-            "Tool results come back to you inside <tool_response></tool_response>. "
-            "When you have the final answer, reply in plain text without a tool call.",
+            "Tool results come back inside <tool_response></tool_response>; "
+            "then give the final answer in plain text.",
         ]
         if tool_choice == "required":
             lines.append("In this reply you must call at least one tool.")
         elif forced:
             lines.append(f"In this reply you must call the tool `{forced}`.")
         return "\n".join(lines)
+
+    def worked_example(
+        self, tools: list[dict[str, Any]], tool_choice: Any = None
+    ) -> list[dict[str, str]]:
+        """One example exchange (a user request and the assistant's call) to show the format.
+
+        Small models follow the format far more often with one worked example turn than with
+        instructions alone (SmolLM2: 0/5 calls without, 3/4 with; shared/FACTS.md). The example
+        calls the forced tool, else the first one, with placeholder arguments from its schema.
+        """
+        specs = function_specs(tools)
+        if not specs or not self.call_format_hint:
+            return []
+        forced = tool_choice_name(tool_choice)
+        fn = next((s for s in specs if s["name"] == forced), specs[0])
+        args = example_arguments(fn)
+        spoken = " and ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+        request = f"Use the {fn['name']} tool" + (f" with {spoken}." if spoken else ".")
+        call = self.format_calls([{"name": fn["name"], "arguments": args}])
+        return [{"role": "user", "content": request}, {"role": "assistant", "content": call}]
 
 
 class HermesParser(ToolParser):
@@ -255,7 +268,8 @@ class HermesParser(ToolParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
     call_format_hint = (
-        '<tool_call>[{"name": "<tool name>", "arguments": {<arguments as JSON>}}]</tool_call>'
+        '<tool_call>[{"name": "func_name1", "arguments": {"argument1": "value1", '
+        '"argument2": "value2"}}]</tool_call>'
     )
     _block_re = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -291,7 +305,7 @@ class QwenParser(HermesParser):
 
     name = "qwen"
     call_format_hint = (
-        '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
+        '<tool_call>\n{"name": "func_name1", "arguments": {"argument1": "value1"}}\n</tool_call>'
     )
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
@@ -320,7 +334,7 @@ class Llama3Parser(ToolParser):
 
     name = "llama3"
     python_tag = "<|python_tag|>"
-    call_format_hint = '{"name": "<tool name>", "parameters": {<arguments as JSON>}}'
+    call_format_hint = '{"name": "func_name1", "parameters": {"argument1": "value1"}}'
     _looks_like_call = re.compile(r'^\s*[\[{]\s*\{?\s*"(name|function)"\s*:')
 
     def parse(self, text: str) -> ParseResult:
@@ -363,7 +377,7 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
-    call_format_hint = '[TOOL_CALLS][{"name": "<tool name>", "arguments": {<arguments as JSON>}}]'
+    call_format_hint = '[TOOL_CALLS][{"name": "func_name1", "arguments": {"argument1": "value1"}}]'
     _args_re = re.compile(r"^\s*([^\[\]{}\s]+)\s*(?:\[CALL_ID\]\s*\S+?\s*)?\[ARGS\]", re.DOTALL)
 
     def parse(self, text: str) -> ParseResult:

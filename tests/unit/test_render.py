@@ -75,17 +75,24 @@ def test_render_without_tools_matches_the_template(renderer, tokenizer):
     assert "<tools>" not in renderer.render_text(msgs, TOOLS, "none")
 
 
-def test_tools_are_injected_into_the_system_prompt(renderer):
+def test_tools_are_injected_into_the_system_prompt(renderer, tokenizer):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
     text = renderer.render_text(msgs, TOOLS)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n")
     assert "<tools>" in text and '"name": "add"' in text and "Add two integers" in text
-    assert '<tool_call>[{"name": "add", "arguments": {"a": 3, "b": 5}}]</tool_call>' in text
+    # one worked example exchange follows the system prompt, then the real conversation
+    assert (
+        "<|im_end|>\n<|im_start|>user\nUse the add tool with a = 3 and b = 5.<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>[{"name": "add", "arguments": {"a": 3, "b": 5}}]'
+        "</tool_call><|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    ) in text
     assert renderer.render_prompt(msgs, TOOLS) != renderer.render_prompt(msgs)
     # without a system message one is added (instead of the template's default one)
     text = renderer.render_text(msgs[1:], TOOLS)
-    assert text.startswith("<|im_start|>system\nYou can call functions")
+    assert text.startswith("<|im_start|>system\nYou solve tasks by composing function calls.")
     assert "SmolLM" not in text
+    plain = ChatRenderer(tokenizer, worked_example=False).render_text(msgs, TOOLS)
+    assert "<tools>" in plain and "Use the add tool" not in plain
 
 
 def test_history_with_calls_and_results_renders_in_the_taught_format(renderer):

@@ -1,0 +1,183 @@
+"""``AenvConfig``: how to reach one AEnvironment and how hard to try.
+
+Every value is checked at construction so that a typo in a YAML file fails before any episode
+runs, with a message that names the field. ``from_dict`` refuses unknown keys for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+TOOL_ERROR_POLICIES = ("append_error", "raise")
+MODES = ("direct", "scheduler")
+
+# name@version, where version is optional; the SDK prefixes tool names with this string.
+_ENV_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(@[A-Za-z0-9][A-Za-z0-9_.\-+]*)?$")
+_SECRET_QUERY_KEYS = re.compile(r"(token|key|secret|password|passwd|auth|signature|sig)", re.I)
+
+
+class AenvConfigError(ValueError):
+    """An ``AenvConfig`` value is invalid; the message names the field."""
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with user-info and secret-looking query values replaced by ``***`` (for logs)."""
+    if not url:
+        return str(url)
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        pieces = []
+        for item in query.split("&"):
+            k, sep, _ = item.partition("=")
+            pieces.append(f"{k}=***" if sep and _SECRET_QUERY_KEYS.search(k) else item)
+        query = "&".join(pieces)
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return out if "://" in url else out.split("://", 1)[1]
+
+
+@dataclass
+class AenvConfig:
+    """Where the environment lives and the retry/timeout policy for talking to it."""
+
+    env_name: str = "calculator@1.0.0"
+    """``name@version``; the environment's tools are listed as ``name@version/tool``."""
+    aenv_url: str = "http://127.0.0.1"
+    """Host of the environment (direct mode: the server itself, data plane on port 8081) or of
+    the AEnvironment service (scheduler mode: control plane :8080, data plane :8081)."""
+    mode: Literal["direct", "scheduler"] = "direct"
+    """direct = talk to an already running environment server (the SDK's DUMMY_INSTANCE_IP
+    mode); scheduler = ask the AEnvironment service to create an instance per episode."""
+    api_key: str | None = None
+    """Bearer key for the AEnvironment service (scheduler mode). Never logged."""
+    timeout: float = 30.0
+    """Per-request timeout of the SDK (seconds)."""
+    startup_timeout: float = 120.0
+    """How long ``initialize`` waits for the environment to become ready (seconds)."""
+    tool_call_timeout: float = 30.0
+    """Upper bound for one tool call (seconds); a timed-out call is not retried."""
+    max_retries: int = 3
+    """Retries after the first attempt, only where a retry is safe (the request never ran)."""
+    retry_delay: float = 0.5
+    """Initial backoff (seconds); doubles per retry, with jitter, capped at 16x."""
+    ttl: str = "30m"
+    """Instance time-to-live (scheduler mode)."""
+    environment_variables: dict[str, str] = field(default_factory=dict)
+    """Passed to a new instance (scheduler mode; the SDK ignores them in direct mode)."""
+    tool_error_policy: Literal["append_error", "raise"] = "append_error"
+    """What an agent does with a tool that reports an error: show it to the model as the tool
+    message (append_error) or abort the episode (raise)."""
+    skip_health_check: bool = False
+    """Skip our readiness probe (``GET /functions/list``) in ``initialize``."""
+    auto_release: bool = True
+    """Release the instance when the adapter's ``async with`` block exits."""
+    sdk_log_level: str = "WARNING"
+    """Level for the aenvironment SDK's own loggers (it logs every call at INFO)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> AenvConfigError:
+            value = getattr(self, name)
+            shown = "***" if name == "api_key" else repr(value)
+            if name == "aenv_url":
+                shown = repr(redact_url(value) if isinstance(value, str) else value)
+            return AenvConfigError(f"aenv.{name}={shown} is invalid: {why}")
+
+        if not isinstance(self.env_name, str) or not _ENV_NAME.match(self.env_name):
+            raise bad("env_name", "expected 'name@version' (letters, digits, '_', '.', '-')")
+        if not isinstance(self.aenv_url, str) or not self.aenv_url.strip():
+            raise bad("aenv_url", "expected a URL such as 'http://127.0.0.1'")
+        try:
+            parts = urlsplit(self.aenv_url if "://" in self.aenv_url else f"http://{self.aenv_url}")
+            host = parts.hostname
+        except ValueError as e:
+            raise bad("aenv_url", str(e)) from None
+        if parts.scheme not in ("http", "https") or not host:
+            raise bad("aenv_url", "expected http://HOST (the SDK adds ports 8080/8081 itself)")
+        if self.mode not in MODES:
+            raise bad("mode", f"valid values: {', '.join(MODES)}")
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            raise bad("api_key", "expected a string or null")
+        for name in ("timeout", "startup_timeout", "tool_call_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise bad(name, "expected a number of seconds > 0")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            raise bad("max_retries", "expected an integer >= 0")
+        if self.max_retries < 0:
+            raise bad("max_retries", "expected an integer >= 0")
+        if (
+            isinstance(self.retry_delay, bool)
+            or not isinstance(self.retry_delay, (int, float))
+            or self.retry_delay < 0
+        ):
+            raise bad("retry_delay", "expected a number of seconds >= 0")
+        if not isinstance(self.ttl, str) or not re.match(r"^\d+[smhd]?$", self.ttl):
+            raise bad("ttl", "expected a duration such as '30m', '2h' or '600s'")
+        if not isinstance(self.environment_variables, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.environment_variables.items()
+        ):
+            raise bad("environment_variables", "expected a mapping of string to string")
+        if self.tool_error_policy not in TOOL_ERROR_POLICIES:
+            raise bad("tool_error_policy", f"valid values: {', '.join(TOOL_ERROR_POLICIES)}")
+        for name in ("skip_health_check", "auto_release"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "expected true or false")
+        if self.sdk_log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise bad("sdk_log_level", "valid values: DEBUG, INFO, WARNING, ERROR, CRITICAL")
+
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AenvConfig:
+        """Build from a mapping (YAML ``workflow_kwargs.aenv_config``); unknown keys are errors."""
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise AenvConfigError(f"aenv config must be a mapping, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise AenvConfigError(
+                f"unknown aenv config key {unknown[0]!r}; valid keys: {', '.join(sorted(names))}"
+            )
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def new(self, **changes: Any) -> AenvConfig:
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def host(self) -> str:
+        """The host name the SDK will contact (credentials and port stripped)."""
+        url = self.aenv_url if "://" in self.aenv_url else f"http://{self.aenv_url}"
+        return urlsplit(url).hostname or "127.0.0.1"
+
+    @property
+    def data_plane_url(self) -> str:
+        """``http://HOST:8081``: where tools, reward and functions are served (SDK convention)."""
+        return f"http://{self.host}:8081"
+
+    def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["aenv_url"] = redact_url(self.aenv_url)
+        if self.api_key is not None:
+            shown["api_key"] = "***"
+        if self.environment_variables:
+            shown["environment_variables"] = {k: "***" for k in self.environment_variables}
+        return "AenvConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"

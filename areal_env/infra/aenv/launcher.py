@@ -1,0 +1,267 @@
+"""Start and stop local aenvironment servers (``python -m aenv.main``) for training and tests.
+
+The SDK hard-codes the data-plane port 8081, so each server gets its own loopback address
+(127.0.0.N:8081; all of 127/8 is loopback on Linux). ``AenvServerLauncher`` picks free addresses,
+waits until each server answers ``GET /functions/list``, writes each server's output to a log
+file, and stops everything at ``stop()``, at ``with`` exit, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+DATA_PORT = 8081
+_live: weakref.WeakSet[AenvServerLauncher] = weakref.WeakSet()
+_claimed: set[str] = set()
+_claim_lock = threading.Lock()
+
+
+def _stop_all_at_exit() -> None:
+    for launcher in list(_live):
+        launcher.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def port_in_use(host: str, port: int = DATA_PORT) -> bool:
+    """True when something accepts connections (or holds the port) on ``host:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_loopback_hosts(n: int, start: int = 50, stop: int = 250) -> list[str]:
+    """``n`` addresses 127.0.0.K (K from ``start``) whose port 8081 is free and not claimed
+    by another launcher in this process."""
+    hosts: list[str] = []
+    with _claim_lock:
+        for k in range(start, stop):
+            host = f"127.0.0.{k}"
+            if host in _claimed or port_in_use(host):
+                continue
+            hosts.append(host)
+            if len(hosts) == n:
+                break
+        if len(hosts) < n:
+            raise RuntimeError(
+                f"only {len(hosts)} free loopback addresses in 127.0.0.{start}-{stop}"
+            )
+        _claimed.update(hosts)
+    return hosts
+
+
+@dataclass
+class AenvServer:
+    """One running server."""
+
+    host: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        """What ``AenvConfig.aenv_url`` takes (the SDK adds :8081 itself)."""
+        return f"http://{self.host}"
+
+    @property
+    def data_url(self) -> str:
+        return f"http://{self.host}:{DATA_PORT}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class AenvServerLauncher:
+    """Run ``num_servers`` copies of an environment (a tools ``.py`` file or folder).
+
+    ``with AenvServerLauncher("examples/aenv/env_tools.py", num_servers=2) as servers:
+    urls = servers.urls``.
+    """
+
+    def __init__(
+        self,
+        tools_path: str | os.PathLike,
+        *,
+        num_servers: int = 1,
+        hosts: list[str] | None = None,
+        first_host: int = 50,
+        log_dir: str | os.PathLike | None = None,
+        startup_timeout: float = 60.0,
+        name: str = "aenv-server",
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.tools_path = Path(tools_path).resolve()
+        if not self.tools_path.exists():
+            raise FileNotFoundError(f"environment tools not found: {self.tools_path}")
+        if num_servers < 1:
+            raise ValueError(f"num_servers={num_servers} must be >= 1")
+        self.num_servers = len(hosts) if hosts else num_servers
+        self._fixed_hosts = list(hosts) if hosts else None
+        self.first_host = first_host
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="aenv-logs-"))
+        self.startup_timeout = startup_timeout
+        self.name = name
+        self.python = python or sys.executable
+        self.extra_env = dict(env or {})
+        self.servers: list[AenvServer] = []
+
+    # ------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def hosts(self) -> list[str]:
+        return [s.host for s in self.servers]
+
+    def __enter__(self) -> AenvServerLauncher:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> AenvServerLauncher:
+        """Start every server and wait until all are ready (stops them all on failure)."""
+        if self.servers:
+            return self
+        hosts = self._fixed_hosts or free_loopback_hosts(self.num_servers, self.first_host)
+        if self._fixed_hosts:
+            busy = [h for h in hosts if port_in_use(h)]
+            if busy:
+                raise RuntimeError(f"port {DATA_PORT} already in use on {', '.join(busy)}")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        _live.add(self)
+        try:
+            for host in hosts:
+                self.servers.append(self._spawn(host))
+            for server in self.servers:
+                self._wait_ready(server)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info(
+            "started %d aenv server(s) for %s at %s (logs in %s)",
+            len(self.servers),
+            self.tools_path.name,
+            ", ".join(self.urls),
+            self.log_dir,
+        )
+        return self
+
+    def _spawn(self, host: str) -> AenvServer:
+        log_path = self.log_dir / f"aenv-{host}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        cmd = [self.python, "-m", "aenv.main", str(self.tools_path), "--host", host]
+        cmd += ["--port", str(DATA_PORT), "--name", self.name, "--log-level", "WARNING"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env.pop("DUMMY_INSTANCE_IP", None)
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # a Ctrl-C to the trainer must not kill it mid-episode
+            )
+        finally:
+            log.close()
+        return AenvServer(host=host, process=proc, log_path=log_path)
+
+    def _wait_ready(self, server: AenvServer) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"{server.data_url}/functions/list"
+        while True:
+            if not server.alive():
+                raise RuntimeError(
+                    f"aenv server on {server.host} exited with code {server.process.returncode}; "
+                    f"log: {server.log_path}\n{_tail(server.log_path)}"
+                )
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"aenv server on {server.host} not ready after {self.startup_timeout}s; "
+                    f"log: {server.log_path}\n{_tail(server.log_path)}"
+                )
+            time.sleep(0.1)
+
+    def stop_server(self, index: int, *, kill: bool = False) -> None:
+        """Stop one server (tests use ``kill=True`` to simulate a crash)."""
+        _terminate(self.servers[index].process, kill=kill)
+
+    def restart_server(self, index: int) -> AenvServer:
+        """Start server ``index`` again on the same address (after ``stop_server``)."""
+        old = self.servers[index]
+        _terminate(old.process)
+        deadline = time.monotonic() + 10
+        while port_in_use(old.host) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.servers[index] = self._spawn(old.host)
+        self._wait_ready(self.servers[index])
+        return self.servers[index]
+
+    def stop(self) -> None:
+        """Stop every server (SIGTERM, then SIGKILL after 5 s) and free the addresses."""
+        for server in self.servers:
+            _terminate(server.process)
+        with _claim_lock:
+            for server in self.servers:
+                _claimed.discard(server.host)
+        if self.servers:
+            logger.info("stopped %d aenv server(s)", len(self.servers))
+        self.servers = []
+        _live.discard(self)
+
+
+def _terminate(proc: subprocess.Popen, *, kill: bool = False, grace: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        proc.kill() if kill else proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _force_kill(proc)
+
+
+def _force_kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait(timeout=5)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

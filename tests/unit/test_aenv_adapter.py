@@ -1,0 +1,205 @@
+"""AenvEnvironmentAdapter against real aenvironment servers (started and killed by the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from areal_env.infra.aenv import (
+    AenvCallError,
+    AenvConfig,
+    AenvEnvironmentAdapter,
+    AenvError,
+    AenvToolCallError,
+    AenvUnavailableError,
+    reward_value,
+)
+from areal_env.infra.aenv.adapter import is_retry_safe
+
+COUNTER_ENV = Path(__file__).with_name("aenv_counter_env.py")
+
+
+@pytest.fixture
+def counter_server(aenv_server_factory):
+    launcher = aenv_server_factory(1, tools_path=COUNTER_ENV)
+    return launcher
+
+
+def _cfg(launcher, **kw) -> AenvConfig:
+    base = dict(env_name="counter@1.0", aenv_url=launcher.urls[0], retry_delay=0.05, timeout=10.0)
+    base.update(kw)
+    return AenvConfig(**base)
+
+
+async def _calls(env: AenvEnvironmentAdapter) -> dict:
+    return await env.call_function("calls", {})
+
+
+async def test_tools_listed_once_and_converted(aenv_config):
+    async with AenvEnvironmentAdapter(aenv_config) as env:
+        tools = await env.list_tools()
+        assert {t["name"] for t in tools} == {
+            "calculator@1.0.0/add",
+            "calculator@1.0.0/subtract",
+            "calculator@1.0.0/multiply",
+            "calculator@1.0.0/divide",
+        }
+        assert await env.list_tools() is tools  # cached per instance
+        openai_tools, name_map = await env.openai_tools()
+        assert name_map["add"] == "calculator@1.0.0/add"
+        assert openai_tools[0]["function"]["parameters"]["required"] == ["a", "b"]
+        result = await env.call_tool(name_map["add"], {"a": 2, "b": 40})
+        assert (result.text, result.is_error) == ("42", False)
+        assert (await env.call_tool("add", {"a": 1.5, "b": 1})).text == "2.5"
+
+
+async def test_tool_error_is_a_result_and_not_retried(counter_server):
+    async with AenvEnvironmentAdapter(_cfg(counter_server, max_retries=3)) as env:
+        result = await env.call_tool("fail", {"message": "no such file"})
+        assert result.is_error and "no such file" in result.text
+        unknown = await env.call_tool("does_not_exist", {})
+        assert unknown.is_error and "does_not_exist" in unknown.text
+        assert (await _calls(env)) == {"fail": 1}
+
+
+async def test_dead_server_retried_then_clear_error(counter_server, caplog):
+    cfg = _cfg(
+        counter_server,
+        max_retries=2,
+        aenv_url=counter_server.urls[0].replace("http://", "http://user:topsecret@")
+        + "?token=tok123",
+    )
+    caplog.set_level(logging.DEBUG)
+    async with AenvEnvironmentAdapter(cfg) as env:
+        assert (await env.call_tool("bump", {})).text == "1"
+        counter_server.stop_server(0, kill=True)
+        t0 = time.monotonic()
+        with pytest.raises(AenvToolCallError) as err:
+            await env.call_tool("bump", {})
+        assert time.monotonic() - t0 < 5  # noticed fast, not after the MCP request timeout
+        e = err.value
+        assert e.tool_name == "bump" and e.attempts == 3
+        assert isinstance(e.cause, httpx.ConnectError)
+        assert "'bump'" in str(e) and "3 attempt" in str(e) and "ConnectError" in str(e)
+    text = caplog.text + str(err.value)
+    assert "topsecret" not in text and "tok123" not in text
+
+
+async def test_restarted_server_stale_session_is_retried_once(counter_server):
+    async with AenvEnvironmentAdapter(_cfg(counter_server)) as env:
+        assert (await env.call_tool("bump", {})).text == "1"
+        counter_server.restart_server(0)  # new process: our MCP session id is unknown there
+        assert (await env.call_tool("bump", {})).text == "1"  # ran exactly once on the new one
+        assert (await _calls(env)) == {"bump": 1}
+
+
+async def test_server_coming_back_during_retries(counter_server):
+    cfg = _cfg(counter_server, max_retries=30, retry_delay=0.2)
+    async with AenvEnvironmentAdapter(cfg) as env:
+        await env.list_tools()
+        counter_server.stop_server(0, kill=True)
+        restarter = threading.Timer(1.0, counter_server.restart_server, args=(0,))
+        restarter.start()
+        try:
+            result = await env.call_tool("bump", {"step": 5})
+        finally:
+            restarter.join()
+        assert result.text == "5"
+        assert (await _calls(env)) == {"bump": 5}
+
+
+async def test_timeout_is_not_retried(counter_server):
+    async with AenvEnvironmentAdapter(_cfg(counter_server, max_retries=3)) as env:
+        with pytest.raises(AenvToolCallError) as err:
+            await env.call_tool("slow", {"seconds": 2.0}, timeout=0.5)
+        assert err.value.attempts == 1
+        await asyncio.sleep(2.0)
+        assert (await _calls(env)).get("slow") == 1
+
+
+async def test_reward_plumbing(aenv_config, counter_server):
+    async with AenvEnvironmentAdapter(aenv_config) as env:
+        out = await env.call_reward(
+            {"final_answer": "The answer is 12.", "task": {"answer": "12"}, "tool_calls": []}
+        )
+        assert out["correct"] is True and reward_value(out) == 1.0
+        partial = await env.call_reward(
+            {"final_answer": "13", "task": {"answer": 12}, "tool_calls": [{"name": "add"}]}
+        )
+        assert reward_value(partial) == pytest.approx(0.2)
+    async with AenvEnvironmentAdapter(_cfg(counter_server)) as env:
+        assert reward_value(await env.call_reward({"value": 0.75})) == 0.75
+        with pytest.raises(AenvCallError, match=r"(?s)reward.*1 attempt.*negative reward"):
+            await env.call_reward({"value": -1})  # a reward bug is not retried
+
+
+def test_reward_value_shapes():
+    assert reward_value(1) == 1.0 and reward_value(True) == 1.0 and reward_value("0.5") == 0.5
+    assert reward_value({"score": 0.25}) == 0.25
+    with pytest.raises(ValueError):
+        reward_value({"nothing": 1})
+
+
+async def test_not_ready_fails_within_startup_timeout():
+    cfg = AenvConfig(env_name="x@1", aenv_url="http://127.0.0.249", startup_timeout=1.0)
+    env = AenvEnvironmentAdapter(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(AenvUnavailableError, match="not ready after 1.0s"):
+        await env.initialize()
+    assert time.monotonic() - t0 < 5
+    assert env._env is None  # released
+    with pytest.raises(AenvError, match="not initialized"):
+        await env.call_tool("add", {})
+
+
+async def test_release_on_cancellation(counter_server):
+    adapter = AenvEnvironmentAdapter(_cfg(counter_server))
+    entered = asyncio.Event()
+
+    async def episode():
+        async with adapter as env:
+            entered.set()
+            await env.call_tool("slow", {"seconds": 1.0})
+
+    task = asyncio.create_task(episode())
+    await entered.wait()
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert adapter._env is None and not adapter.initialized
+
+
+async def test_auto_release_off_keeps_instance(aenv_config):
+    adapter = AenvEnvironmentAdapter(aenv_config.new(auto_release=False))
+    async with adapter:
+        pass
+    assert adapter.initialized
+    assert (await adapter.call_tool("multiply", {"a": 6, "b": 7})).text == "42"
+    await adapter.release()
+    assert not adapter.initialized
+
+
+def test_retry_classification():
+    req = httpx.Request("POST", "http://h:8081/mcp")
+    assert is_retry_safe(httpx.ConnectError("refused", request=req))
+    for code in (502, 503, 504):
+        resp = httpx.Response(code, request=req)
+        assert is_retry_safe(httpx.HTTPStatusError("x", request=req, response=resp))
+    resp500 = httpx.Response(500, request=req)
+    assert not is_retry_safe(httpx.HTTPStatusError("x", request=req, response=resp500))
+    assert not is_retry_safe(httpx.ReadTimeout("slow", request=req))
+    assert not is_retry_safe(httpx.RemoteProtocolError("disconnected", request=req))
+    try:  # wrapped the way the SDK does it
+        try:
+            raise httpx.ConnectError("refused", request=req)
+        except httpx.ConnectError as inner:
+            raise RuntimeError("Failed to talk") from inner
+    except RuntimeError as outer:
+        assert is_retry_safe(outer)

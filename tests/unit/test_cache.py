@@ -405,3 +405,89 @@ def test_sixteen_threads_adding_children_keep_a_consistent_tree():
     values = c.discounted_rewards(1.0)
     assert values[root.id] == pytest.approx(n_threads * depth_per_thread)
     assert len(c.export(1.0, "concat")) == n_threads
+
+
+# ---- echo tolerance as a property --------------------------------------------------------------
+_words = st.text(alphabet="abcxyz 123", min_size=1, max_size=12).map(lambda s: s.strip() or "w")
+
+
+@st.composite
+def conversations(draw):
+    """A session's first request plus the assistant output (possibly with tool calls)."""
+    msgs = [user(draw(_words))]
+    n_calls = draw(st.integers(0, 2))
+    calls = [
+        {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {
+                "name": draw(st.sampled_from(["add", "lookup"])),
+                "arguments": json.dumps(
+                    draw(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 9), max_size=3))
+                ),
+            },
+        }
+        for i in range(n_calls)
+    ]
+    out = {"role": "assistant", "content": draw(_words) if not calls else None}
+    if calls:
+        out["tool_calls"] = calls
+    return msgs, out
+
+
+def _echo(draw, message):
+    """What a client might send back for ``message``: same meaning, different shape."""
+    m = dict(message)
+    content = m.get("content")
+    form = draw(st.sampled_from(["same", "parts", "padded", "empty"]))
+    if form == "parts" and content:
+        m["content"] = [{"type": "text", "text": content}]
+    elif form == "padded" and content:
+        m["content"] = f"  {content}\n"
+    elif form == "empty" and not content:
+        m["content"] = draw(st.sampled_from([None, "", []]))
+    if draw(st.booleans()):
+        m.update(refusal=None, annotations=[], audio=None)
+    if m.get("tool_calls"):
+        echoed = []
+        for c in m["tool_calls"]:
+            args = json.loads(c["function"]["arguments"])
+            text = json.dumps(
+                dict(reversed(list(args.items()))), indent=draw(st.sampled_from([None, 2]))
+            )
+            call = {
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": text},
+            }
+            if draw(st.booleans()):
+                call["id"] = c["id"]
+            echoed.append(call)
+        m["tool_calls"] = echoed
+    return m
+
+
+@settings(max_examples=100, deadline=None)
+@given(convo=conversations(), data=st.data())
+def test_find_parent_matches_any_tolerated_echo_and_nothing_else(convo, data):
+    msgs, out = convo
+    c = InteractionCache()
+    parent = make(msgs, out)
+    c.add(parent)
+    follow = (
+        [{"role": "tool", "tool_call_id": tc["id"], "content": "r"} for tc in out["tool_calls"]]
+        if out.get("tool_calls")
+        else [user("next")]
+    )
+    echoed = [_echo(data.draw, m) for m in [*msgs, out]]
+    assert c.find_parent([*echoed, *follow]) is parent
+    # changing the meaning of any message breaks the match
+    k = data.draw(st.integers(0, len(echoed) - 1))
+    broken = dict(echoed[k])
+    if broken.get("tool_calls"):
+        broken["tool_calls"] = [
+            {**tc, "function": {**tc["function"], "name": tc["function"]["name"] + "_x"}}
+            for tc in broken["tool_calls"]
+        ]
+    else:
+        broken["content"] = "changed " + str(broken.get("content"))
+    assert c.find_parent([*echoed[:k], broken, *echoed[k + 1 :], *follow]) is None

@@ -55,7 +55,7 @@ class AgentServiceError(RuntimeError):
         self.message = message
 
 
-def _matches(url: httpx.URL, service: httpx.URL) -> bool:
+def _matches(url: Any, service: httpx.URL) -> bool:
     return (
         url.scheme == service.scheme
         and url.host == service.host
@@ -64,7 +64,7 @@ def _matches(url: httpx.URL, service: httpx.URL) -> bool:
     )
 
 
-def _tag(request: httpx.Request) -> None:
+def _tag(request: Any) -> None:
     active = _ACTIVE.get()
     if not active or SESSION_HEADER in request.headers:
         return
@@ -74,27 +74,53 @@ def _tag(request: httpx.Request) -> None:
             return
 
 
+def _http_modules() -> list[Any]:
+    """``httpx`` and its forks that SDKs use (the ``anthropic`` SDK ships on ``httpx2``)."""
+    import importlib
+
+    modules = [httpx]
+    for name in ("httpx2",):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return modules
+
+
+def _wrap(cls: type) -> None:
+    async_send = cls.send
+    if getattr(async_send, "_areal_session_hook", False):
+        return
+    if asyncio.iscoroutinefunction(async_send):
+
+        @functools.wraps(async_send)
+        async def send(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+            _tag(request)
+            return await async_send(self, request, *a, **k)
+
+    else:
+
+        @functools.wraps(async_send)
+        def send(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+            _tag(request)
+            return async_send(self, request, *a, **k)
+
+    send._areal_session_hook = True  # type: ignore[attr-defined]
+    cls.send = send  # type: ignore[method-assign]
+
+
 def install_session_hook() -> None:
-    """Wrap ``httpx`` clients' ``send`` once so requests carry the context's session header."""
+    """Wrap ``send`` of the ``httpx`` clients (and forks) once so that requests carry the
+    session header of the current context."""
     global _hook_installed
     with _hook_lock:
         if _hook_installed:
             return
-        async_send = httpx.AsyncClient.send
-        sync_send = httpx.Client.send
-
-        @functools.wraps(async_send)
-        async def send_async(self: httpx.AsyncClient, request: httpx.Request, *a: Any, **k: Any):
-            _tag(request)
-            return await async_send(self, request, *a, **k)
-
-        @functools.wraps(sync_send)
-        def send_sync(self: httpx.Client, request: httpx.Request, *a: Any, **k: Any):
-            _tag(request)
-            return sync_send(self, request, *a, **k)
-
-        httpx.AsyncClient.send = send_async  # type: ignore[method-assign]
-        httpx.Client.send = send_sync  # type: ignore[method-assign]
+        for module in _http_modules():
+            for name in ("AsyncClient", "Client"):
+                cls = getattr(module, name, None)
+                if cls is not None:
+                    _wrap(cls)
         _hook_installed = True
 
 

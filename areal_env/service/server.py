@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 LISTENING = "areal-env any-agent server listening at {url}"
 
 
+@dataclasses.dataclass
+class _ServiceSection:
+    service: ServiceConfig = dataclasses.field(default_factory=ServiceConfig)
+
+
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
@@ -64,7 +69,8 @@ def load_service_config(
     service = data.pop("service", None) or {}
     if not isinstance(service, dict):
         raise ConfigError("service must be a mapping of fields")
-    return config_from_dict(ExperimentConfig, data), config_from_dict(ServiceConfig, service)
+    wrapped = config_from_dict(_ServiceSection, {"service": service})  # errors say "service.x"
+    return config_from_dict(ExperimentConfig, data), wrapped.service
 
 
 def _tokenizer_of(engine: Any, cfg: ExperimentConfig) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import httpx
 import openai
@@ -197,3 +198,129 @@ def test_sync_session_with_sync_openai_client(service_stack):
             raise ValueError("boom")
     assert s2.finalized["status"] == "failed"
     assert service_stack.gateway.gateway.sessions[s2.session_id].state == "failed"
+
+
+async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack):
+    import anthropic
+
+    url = service_stack.base_url
+    service_stack.source.n_samples = 1
+    async with AgentSession(url, ALICE, group_id="sdks") as s:
+        claude = anthropic.AsyncAnthropic(base_url=url, api_key=ALICE, max_retries=0)
+        msg = await claude.messages.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
+        )
+        assert msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens")
+        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key=ALICE, max_retries=0)
+        resp = await oai.responses.create(model="m", input="Hello", max_output_tokens=4)
+        assert resp.output
+        # An agent that can only set an API key: USER_KEY:SESSION_ID, no header hook needed.
+        s._deactivate()
+        keyed = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.session_api_key, max_retries=0)
+        chat = await keyed.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+        async with httpx.AsyncClient(timeout=60) as h:  # compatibility endpoints, by hand
+            r = await h.post(
+                url + "/rl/v1/set_reward",
+                json={"completion_id": chat.id, "reward": 2.0},
+                headers=bearer(s.session_api_key),
+            )
+            assert r.status_code == 200, r.text
+            r = await h.post(
+                url + "/rl/v1/set_reward",
+                json={"completion_id": "nope", "reward": 2.0},
+                headers=bearer(s.session_api_key),
+            )
+            assert r.status_code == 404
+            r = await h.post(
+                url + "/rl/v1/finalize",
+                json={"final_reward": 1.0},
+                headers=bearer(s.session_api_key),
+            )
+            assert r.json()["status"] == "ok" and r.json()["num_completions"] == 3
+        s.finalized = r.json()
+    _, stats = await service_stack.source.rollout_batch(trainer_version=0, timeout=10)
+    episode = service_stack.source.last_episodes[0]
+    rewards = {it["id"]: it["reward"] for it in episode["interactions"]}
+    assert rewards[chat.id] == 3.0  # 2.0 set on it + the final 1.0 (it is the last completion)
+
+
+async def test_runner_retries_transient_failures(engine, tokenizer):
+    """Quota 429s are transient: the runner backs off and every item still completes."""
+    from areal_env.service.client import AgentRunner, current_session
+
+    stack = make_service_stack(engine, tokenizer, max_sessions_per_key=1, n_samples=2)
+    try:
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=BOB, max_retries=0)
+
+        async def agent(item: dict) -> float | None:
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": item["q"]}], max_tokens=3
+            )
+            if item["q"] == "manual":
+                await current_session().finalize(0.5)
+                return None
+            return float(len(r.choices[0].message.content or ""))
+
+        runner = AgentRunner(stack.base_url, BOB)
+        items = [{"q": "one"}, {"q": "manual"}]
+        results = await runner.run(
+            agent, items, concurrency=3, group_size=2, backoff=0.05, max_retries=20, progress=False
+        )
+        assert all(r.ok for r in results), [r.errors for r in results]
+        assert max(a for r in results for a in r.attempts) > 1  # some were refused and retried
+        assert results[1].rewards == [None, None]
+        stack.source.batch_size = 2
+        batch, stats = await stack.source.rollout_batch(trainer_version=0, timeout=30)
+        assert stats["groups/accepted"] == 2 and stats["groups/incomplete"] == 0
+        groups = {e["group_id"] for e in stack.source.last_episodes}
+        assert len(groups) == 2
+    finally:
+        stack.gateway.stop()
+        for p in stack.proxies:
+            p.stop()
+
+
+def test_tls_via_uvicorn_options(engine, tokenizer, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    stack = make_service_stack(engine, tokenizer, ssl_keyfile=str(key), ssl_certfile=str(cert))
+    try:
+        url = stack.base_url
+        assert url.startswith("https://")
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(url + "/health")
+        with AgentSession(url, ALICE, verify=str(cert)) as s:
+            client = openai.OpenAI(
+                base_url=url + "/v1",
+                api_key=ALICE,
+                max_retries=0,
+                http_client=httpx.Client(verify=str(cert)),
+            )
+            r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+            assert r.choices[0].message.role == "assistant"
+            assert s.finalize(1.0)["status"] == "ok"
+    finally:
+        stack.gateway.stop()
+        for p in stack.proxies:
+            p.stop()

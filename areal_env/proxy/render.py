@@ -121,8 +121,10 @@ class ChatRenderer:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError("the tokenizer has no chat template; the proxy needs one")
-        if isinstance(template, dict):  # several named templates: use the default one
-            template = template.get("default") or next(iter(template.values()))
+        if isinstance(template, dict):  # named templates: the tool-use one renders plain chats too
+            template = (
+                template.get("tool_use") or template.get("default") or next(iter(template.values()))
+            )
         self.chat_template: str = template
         self.tool_parser_name = (
             detect_tool_parser(template) if tool_parser == "auto" else tool_parser.lower()
@@ -163,7 +165,11 @@ class ChatRenderer:
             if fast and self._fast_render is not None:
                 text = self._fast_render(messages, tools, gen)
             else:
-                kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
+                kwargs: dict[str, Any] = {
+                    "tokenize": False,
+                    "add_generation_prompt": gen,
+                    "chat_template": self.chat_template,
+                }
                 if tools:
                     kwargs["tools"] = tools
                 text = self.tokenizer.apply_chat_template(messages, **kwargs)

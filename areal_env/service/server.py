@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,11 @@ def _tokenizer_of(engine: Any, cfg: ExperimentConfig) -> Any:
 
 
 def create_engine(cfg: ExperimentConfig) -> Any:
+    """The configured engine (uninitialized), on the resolved model folder."""
+    from areal_env.engine.models import resolve_model_path
+
+    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
     try:
         from areal_env.engine.factory import create_engine as factory
     except ImportError:
@@ -181,7 +187,7 @@ async def run_training(
     """
     from areal_env.engine.models import resolve_model_path
     from areal_env.trainer.actor import PPOActor
-    from areal_env.trainer.stats import MetricsLogger
+    from areal_env.trainer.stats import MetricsLogger, plot_reward_curve
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +203,7 @@ async def run_training(
         temperature=cfg.gconfig.temperature,
         seed=cfg.seed,
     )
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.trainer.tensorboard)
+    metrics_logger = MetricsLogger(run_dir, tensorboard=cfg.trainer.tensorboard)
     version = int(engine.get_version())
     source.set_version(version)
     total = cfg.trainer.total_train_steps
@@ -205,17 +211,24 @@ async def run_training(
     last: dict[str, Any] = {}
     try:
         while total is None or step < total:
+            t0 = time.perf_counter()
             batch, rstats = await source.rollout_batch(trainer_version=version)
-            if batch is None:
-                continue
-            tstats = await asyncio.to_thread(actor.update, batch, step=step)
-            await asyncio.to_thread(_push_weights, engine, actor, run_dir, step)
-            version += 1
-            engine.set_version(version)
-            source.set_version(version)
+            metrics: dict[str, Any] = {**rstats, "time/rollout_s": time.perf_counter() - t0}
+            if batch is None or int(batch["loss_mask"].sum()) == 0:
+                metrics["actor/update_skipped"] = 1.0
+            else:
+                metrics.update(await asyncio.to_thread(actor.update, batch, step=step))
+            if not metrics.get("actor/update_skipped"):  # as PPOTrainer: no signal, no push
+                await asyncio.to_thread(_push_weights, engine, actor, run_dir, step)
+                version += 1
+                engine.set_version(version)
+                source.set_version(version)
             step += 1
-            last = {**{f"rollout/{k}": v for k, v in rstats.items()}, **tstats, "version": version}
-            metrics.log(step, last)
+            metrics["version"] = version
+            metrics["time/step_s"] = time.perf_counter() - t0
+            last = metrics
+            metrics_logger.log(step, metrics)
+            plot_reward_curve(metrics_logger.read(), run_dir / "reward_curve.png")
             logger.info(
                 "step %d: reward %.3f over %d trajectories, weights version %d",
                 step,
@@ -227,9 +240,9 @@ async def run_training(
             if freq and step % freq == 0:
                 await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
     finally:
-        if step:
+        if step and not (cfg.trainer.save_freq_steps and step % cfg.trainer.save_freq_steps == 0):
             await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
-        metrics.close()
+        metrics_logger.close()
     return {"steps": step, "version": version, **last}
 
 

@@ -99,11 +99,12 @@ def test_two_agent_processes_train_the_service_then_the_checkpoint_is_served(tmp
     run_dir = tmp_path / "svc" / "t0"
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    assert [m["version"] for m in metrics] == [1, 2]
+    updates = [not m.get("actor/update_skipped") for m in metrics]
+    assert [m["version"] for m in metrics] == [sum(updates[: i + 1]) for i in range(2)]
     for m in metrics:
         # Two groups per step, each with one trajectory from each agent process.
-        assert m["rollout/groups/accepted"] == 2 and m["rollout/episodes/accepted"] == 4
-        assert m["rollout/groups/incomplete"] == 0
+        assert m["groups/accepted"] == 2 and m["episodes/accepted"] == 4
+        assert m["groups/incomplete"] == 0
     assert (run_dir / "checkpoints" / "step_2" / "model" / "config.json").is_file()
 
     # The trained checkpoint is served through the same OpenAI-compatible API.

@@ -37,6 +37,10 @@ class AgentError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+class WorkerDied(AgentError):
+    """The worker process exited in the middle of an episode (crash, os._exit, OOM kill)."""
+
+
 @dataclass
 class AgentSpec:
     """How a worker rebuilds the agent: by import string (+ kwargs) or by pickle."""
@@ -233,6 +237,9 @@ class SubprocAgentPool:
                 result = await asyncio.wait_for(self._roundtrip(w, data, env, extra), timeout)
                 ok = True
                 return result
+            except AgentError as e:
+                ok = not isinstance(e, WorkerDied)  # the agent raised; its worker is fine
+                raise
             finally:
                 if ok:
                     self._release(w)

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -149,7 +150,8 @@ class SGLangEngine:
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.control_timeout = control_timeout
-        self.attempts = max_retries + 1 if max_retries > 0 else 1
+        # Like tenacity's stop_after_attempt: 3 = one try and two retries (0 or 1 = no retry).
+        self.attempts = max(1, max_retries)
         self.retry_backoff = retry_backoff
         self.retry_max_wait = retry_max_wait
         self.startup_timeout = startup_timeout
@@ -632,8 +634,11 @@ class SGLangEngine:
         self._broadcast("/pause_generation", {"mode": "abort"})
 
     def resume(self) -> None:
-        self._broadcast("/continue_generation", {})
-        self._resumed.set()
+        """Continue every server; held requests proceed even if one server cannot be reached."""
+        try:
+            self._broadcast("/continue_generation", {})
+        finally:
+            self._resumed.set()
 
     def update_weights(self, weights: dict[str, Any] | str | os.PathLike[str]) -> None:
         """Load an HF folder on every server (``/update_weights_from_disk``), then bump the version.
@@ -664,7 +669,12 @@ class SGLangEngine:
             logger.info("weights from %s loaded on %d server(s)", path, len(self.addresses))
         finally:
             if not was_paused:
-                self.resume()
+                try:
+                    self.resume()
+                except EngineUnavailableError:
+                    if sys.exc_info()[0] is None:
+                        raise
+                    logger.exception("resume after the weight update failed")
 
     def get_version(self) -> int:
         return self._version

@@ -35,6 +35,22 @@ def request_counts(addresses: list[str]) -> dict[str, int]:
     return out
 
 
+def tokens_generated(addresses: list[str]) -> int:
+    total = 0
+    for addr in addresses:
+        info = httpx.get(f"http://{addr}/get_server_info", trust_env=False).json()
+        total += int(info["engine_stats"]["tokens_generated"])
+    return total
+
+
+async def wait_for_tokens(addresses: list[str], since: int, n: int, timeout: float = 120) -> None:
+    """Wait until the servers produced ``n`` more tokens: the request is really in flight."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await asyncio.to_thread(tokens_generated, addresses) < since + n:
+        assert asyncio.get_running_loop().time() < deadline, "no tokens produced"
+        await asyncio.sleep(0.1)
+
+
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in before}
 
@@ -109,9 +125,10 @@ async def test_pause_resume_inflight_completes(sglang_engine, sglang_servers, to
     cfg = greedy(40, ignore_eos=True)
     reference = await sglang_engine.agenerate(ModelRequest(ids, cfg))
     aborted_before = sum(_aborted(a) for a in sglang_servers.addresses)
+    produced = tokens_generated(sglang_servers.addresses)
 
     task = asyncio.create_task(sglang_engine.agenerate(ModelRequest(ids, cfg)))
-    await asyncio.sleep(1.5)  # some tokens are out
+    await wait_for_tokens(sglang_servers.addresses, produced, 3)
     await asyncio.to_thread(sglang_engine.pause)
     await asyncio.sleep(0.8)
     assert not task.done()  # held while paused
@@ -169,8 +186,9 @@ async def test_update_weights_from_disk(sglang_engine, model_path, perturbed_mod
     before = await sglang_engine.agenerate(ModelRequest(ids, greedy(16)))
     long_cfg = greedy(48, ignore_eos=True)
     try:
+        produced = tokens_generated(sglang_engine.addresses)
         inflight = asyncio.create_task(sglang_engine.agenerate(ModelRequest(ids, long_cfg)))
-        await asyncio.sleep(1.5)
+        await wait_for_tokens(sglang_engine.addresses, produced, 3)
         await asyncio.to_thread(sglang_engine.update_weights, perturbed_model)
         assert sglang_engine.get_version() == v0 + 1
         spanning = await asyncio.wait_for(inflight, 120)
@@ -241,17 +259,18 @@ async def test_dead_server_reported_by_address(sglang_servers, model_path, token
     extra = launch_serve(model_path, 1, tmp_path)
     victim = extra.addresses[0]
     survivor = sglang_servers.addresses[0]
-    eng = SGLangEngine([survivor, victim], max_retries=2, retry_backoff=0.05, down_cooldown=60)
+    eng = SGLangEngine([survivor, victim], max_retries=3, retry_backoff=0.05, down_cooldown=60)
     eng.initialize()
     try:
         ids = prompt(tokenizer, "Write a poem.")
         sticky = {"session_id": "doomed"}
         # Pin the session to the victim.
         eng._rebind(ModelRequest(ids, metadata=sticky), victim)
+        produced = tokens_generated([victim])
         task = asyncio.create_task(
             eng.agenerate(ModelRequest(ids, greedy(64, ignore_eos=True), metadata=sticky))
         )
-        await asyncio.sleep(1.0)
+        await wait_for_tokens([victim], produced, 2)
         os.killpg(extra.servers[0].pid, signal.SIGKILL)
         with pytest.raises(EngineUnavailableError) as err:
             await asyncio.wait_for(task, 60)

@@ -142,8 +142,17 @@ class RolloutExecutor:
             return
         from areal_env.proxy.client import grant_capacity
 
+        if self._grant_client is None or self._grant_client.is_closed:
+            import httpx
+
+            self._grant_client = httpx.AsyncClient(timeout=60.0)
         try:
-            await grant_capacity(self.proxy_base_url, self.admin_key, self.sessions_per_group)
+            await grant_capacity(
+                self.proxy_base_url,
+                self.admin_key,
+                self.sessions_per_group,
+                http_client=self._grant_client,
+            )
         except Exception as e:  # sessions will be refused (429) and rejected; keep training
             logger.warning("grant_capacity(%d) failed: %s", self.sessions_per_group, e)
 
@@ -372,6 +381,10 @@ class RolloutExecutor:
             with contextlib.suppress(BaseException):
                 await t
         self._dispatcher = None
+        if self._grant_client is not None:
+            client, self._grant_client = self._grant_client, None
+            with contextlib.suppress(Exception):
+                await client.aclose()
         close = getattr(self.workflow, "aclose", None)
         if close is not None:
             await close()

@@ -234,3 +234,44 @@ async def test_executor_over_proxy_grouped_with_partial_rejection(proxy_server, 
         e["interactions"] and e["interactions"][0].get("completion_text") is not None
         for e in accepted
     )
+
+
+async def test_executor_grants_capacity_to_a_managed_proxy(engine):
+    """With ``initial_capacity=0`` sessions start only after the executor grants capacity."""
+    from areal_env.api.config import ProxyConfig
+    from areal_env.proxy.server import ProxyServer
+
+    server = ProxyServer(
+        engine, engine.tokenizer, ProxyConfig(initial_capacity=0, default_max_tokens=8)
+    ).start()
+    try:
+        rollout = RolloutConfig(n_samples=2, batch_size=2, max_concurrent_rollouts=4)
+        # without a grant the proxy refuses the session: rejected (proxy_error), not raised
+        direct = _wf(server, ReturnAgent(1.0))
+        with episode_sink() as sink:
+            assert await direct.arun_episode(engine, {"q": "hi"}) is None
+        assert sink[0].reason == "proxy_error" and "429" in sink[0].error
+        await direct.aclose()
+
+        wf = resolve_workflow(
+            ReturnAgent(1.0),
+            rollout=rollout,
+            proxy_base_url=server.base_url,
+            admin_key=server.admin_key,
+        )
+        ex = RolloutExecutor(
+            engine,
+            wf,
+            rollout,
+            proxy_base_url=server.base_url,
+            admin_key=server.admin_key,
+            show_progress=False,
+        )
+        batch, stats = await ex.rollout_batch(
+            [{"q": "One"}, {"q": "Two"}], trainer_version=engine.get_version()
+        )
+        await ex.aclose()
+        assert stats["episodes/accepted"] == 4 and stats["episodes/rejected"] == 0
+        assert batch["input_ids"].shape[0] == 4
+    finally:
+        server.stop()

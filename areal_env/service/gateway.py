@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -429,7 +430,12 @@ class Gateway:
     # -- forwarding ------------------------------------------------------------------------
 
     async def forward(
-        self, request: Request, sess: GatewaySession | None, backend: Backend, key: str
+        self,
+        request: Request,
+        sess: GatewaySession | None,
+        backend: Backend,
+        key: str,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> Response:
         path = request.url.path
         url = backend.base_url + path
@@ -467,6 +473,22 @@ class Gateway:
             k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
         }
 
+        closed = False
+
+        async def done() -> None:
+            # Idempotent: runs when the stream ends, and again as the background task; the
+            # generator's ``finally`` covers clients that disconnect mid-stream.
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            if sess is not None:
+                sess.inflight -= 1
+                sess.last_used = time.monotonic()
+            await resp.aclose()
+            if on_close is not None:
+                await on_close()
+
         async def body_iter():
             try:
                 async for chunk in resp.aiter_raw():
@@ -474,12 +496,8 @@ class Gateway:
             except httpx.TransportError as e:
                 logger.warning("stream from %s broke: %s", backend.name, type(e).__name__)
                 self._backend_down(backend, f"stream broke: {type(e).__name__}", conclusive=False)
-
-        async def done() -> None:
-            await resp.aclose()
-            if sess is not None:
-                sess.inflight -= 1
-                sess.last_used = time.monotonic()
+            finally:
+                await done()
 
         return StreamingResponse(
             body_iter(),
@@ -662,17 +680,8 @@ class Gateway:
                 raise ServiceError(503, str(e), "service_unavailable") from e
             return await self.forward(request, None, backend, backend.admin_key)
         sess = await self.start_session(user)
-        try:
-            response = await self.forward(request, sess, sess.backend, sess.session_key)
-        except BaseException:
-            self._release(sess, "failed", "request failed")
-            self.sessions.pop(sess.id, None)
-            raise
-        inner = response.background
 
         async def close() -> None:
-            if inner is not None:
-                await inner()
             try:
                 await self._session_post(sess, "/rl/end_session", {})
             except ServiceError:
@@ -680,8 +689,12 @@ class Gateway:
             self._release(sess, "done")  # inference only: never trained on
             self.sessions.pop(sess.id, None)
 
-        response.background = BackgroundTask(close)
-        return response
+        try:
+            return await self.forward(request, sess, sess.backend, sess.session_key, on_close=close)
+        except BaseException:
+            self._release(sess, "failed", "request failed")
+            self.sessions.pop(sess.id, None)
+            raise
 
 
 def _reward(value: Any, name: str, *, required: bool) -> float | None:

@@ -277,12 +277,35 @@ class ExternalTrajectorySource:
             and trainer_version - traj.min_version > self.max_head_offpolicyness
         )
 
+    # RolloutExecutor's prefetching interface (``submit`` + ``next_batch``), so a trainer that
+    # drives an executor can drive this source unchanged: items are ignored (the data lives
+    # with the external agents).
+    uses_proxy = False
+
+    def submit(self, item: Any = None) -> None:
+        """No-op: external agents choose their own work."""
+
+    def feed(self, items: Any = None) -> None:
+        """No-op: external agents choose their own work."""
+
+    async def next_batch(
+        self, *, trainer_version: int, batch_size: int | None = None, timeout: float | None = None
+    ) -> tuple[dict | None, dict[str, float]]:
+        """``rollout_batch`` with an explicit number of groups."""
+        return await self.rollout_batch(
+            trainer_version=trainer_version, timeout=timeout, batch_size=batch_size
+        )
+
+    async def aclose(self) -> None:
+        """Nothing to cancel: the gateway owns the sessions (``close()`` ends the source)."""
+
     async def rollout_batch(
         self,
         items: list[dict] | None = None,
         *,
         trainer_version: int,
         timeout: float | None = None,
+        batch_size: int | None = None,
     ) -> tuple[dict | None, dict[str, float]]:
         """Wait for ``batch_size`` complete groups and return ``(tensor batch, stats)``.
 
@@ -291,6 +314,7 @@ class ExternalTrajectorySource:
         ``max_head_offpolicyness`` versions behind ``trainer_version`` are dropped (counted).
         ``timeout`` (seconds) returns ``(None, stats)`` when not enough groups arrived.
         """
+        want = int(batch_size or self.batch_size)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         loop = asyncio.get_running_loop()
@@ -307,13 +331,13 @@ class ExternalTrajectorySource:
                     if self._closed:
                         raise SourceClosedError("the trajectory source was closed")
                     next_expiry = self._flush_expired(time.monotonic())
-                    while self._ready and len(selected) < self.batch_size:
+                    while self._ready and len(selected) < want:
                         group = self._ready.popleft()
                         fresh = [t for t in group.members if not self._is_stale(t, trainer_version)]
                         stale += len(group.members) - len(fresh)
                         if fresh:
                             selected.append(fresh)
-                if len(selected) >= self.batch_size:
+                if len(selected) >= want:
                     break
                 wait_for = next_expiry
                 if deadline is not None:

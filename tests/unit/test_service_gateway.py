@@ -244,6 +244,7 @@ async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack
     assert rewards[chat.id] == 3.0  # 2.0 set on it + the final 1.0 (it is the last completion)
 
 
+@pytest.mark.slow
 async def test_runner_retries_transient_failures(engine, tokenizer):
     """Quota 429s are transient: the runner backs off and every item still completes."""
     from areal_env.service.client import AgentRunner, current_session

@@ -96,3 +96,13 @@ async def test_close_wakes_waiters_and_cancel_keeps_groups():
         await asyncio.wait_for(task, 5)
     with pytest.raises(SourceClosedError):
         src.put(export(1.0))
+
+
+async def test_executor_prefetch_interface():
+    src = ExternalTrajectorySource(n_samples=1, batch_size=4)
+    src.submit({"ignored": True})
+    for r in (0.0, 1.0, 0.5):
+        src.put(export(r))
+    batch, stats = await src.next_batch(trainer_version=0, batch_size=3, timeout=5)
+    assert batch["group_ids"].tolist() == [0, 1, 2] and stats["groups/accepted"] == 3
+    await src.aclose()

@@ -228,7 +228,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         self.agent_import = agent_import
         self.agent_kwargs = dict(agent_kwargs or {})
         self._user_client = http_client
-        self._clients: dict[int, _SharedAsyncClient] = {}
+        self._clients: dict[int, tuple[Any, _SharedAsyncClient]] = {}
         self._pool: Any = None
         self.stats: Counter[str] = Counter()
         if rollout.mode == "inline" and not inspect.iscoroutinefunction(agent.run):
@@ -243,13 +243,13 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         if self._user_client is not None:
             return self._user_client
         loop = asyncio.get_running_loop()
-        client = self._clients.get(id(loop))
-        if client is None or client.is_closed:
+        owner, client = self._clients.get(id(loop), (None, None))
+        if owner is not loop or client is None or client.is_closed:
             client = _SharedAsyncClient(
                 timeout=httpx.Timeout(self.rollout.episode_timeout, connect=30.0),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             )
-            self._clients[id(loop)] = client
+            self._clients[id(loop)] = (loop, client)
         return client
 
     def _subproc_pool(self) -> Any:
@@ -264,7 +264,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
 
     async def aclose(self) -> None:
         """Close the shared HTTP client(s) and stop subprocess workers."""
-        clients, self._clients = list(self._clients.values()), {}
+        clients, self._clients = [c for _, c in self._clients.values()], {}
         for c in clients:
             with contextlib.suppress(Exception):
                 await c.really_close()

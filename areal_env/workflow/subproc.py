@@ -112,7 +112,11 @@ def _call(agent: Any, data: Any, extra: dict[str, Any]) -> Any:
 
 
 def _worker_main(conn: Any) -> None:
-    """Worker loop: receive (spec, data, env, extra), run, send back a pickled outcome."""
+    """Worker loop: receive (kind, spec, data, env, extra), run, send back a pickled outcome.
+
+    ``kind="warmup"`` only builds the agent (imports, constructor), so that start-up cost is not
+    charged to the first episode's timeout.
+    """
     agents: dict[str, Any] = {}
     while True:
         try:
@@ -121,13 +125,13 @@ def _worker_main(conn: Any) -> None:
             return
         if msg is None:
             return
-        spec, data, env, extra = msg
+        kind, spec, data, env, extra = msg
         os.environ.update(env)
         try:
             agent = agents.get(spec.key)
             if agent is None:
                 agent = agents[spec.key] = _build_agent(spec)
-            result = _call(agent, data, extra)
+            result = _call(agent, data, extra) if kind == "run" else None
             try:
                 payload = pickle.dumps(("ok", result))
             except Exception:
@@ -154,6 +158,7 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
         child.close()
+        self.warm = False
 
     def alive(self) -> bool:
         return self.process.is_alive()
@@ -179,7 +184,15 @@ class _Worker:
 class SubprocAgentPool:
     """At most ``max_workers`` worker processes, created on demand and reused across episodes."""
 
-    def __init__(self, spec: AgentSpec, *, max_workers: int, start_method: str = "spawn") -> None:
+    def __init__(
+        self,
+        spec: AgentSpec,
+        *,
+        max_workers: int,
+        start_method: str = "spawn",
+        startup_timeout: float = 120.0,
+    ) -> None:
+        self.startup_timeout = startup_timeout
         self.spec = spec
         self.max_workers = max_workers
         self._ctx = mp.get_context(start_method)
@@ -234,7 +247,15 @@ class SubprocAgentPool:
             w = await self._acquire()
             ok = False
             try:
-                result = await asyncio.wait_for(self._roundtrip(w, data, env, extra), timeout)
+                if not w.warm:
+                    await asyncio.wait_for(
+                        self._roundtrip(w, "warmup", None, {}, {}),
+                        max(timeout, self.startup_timeout),
+                    )
+                    w.warm = True
+                result = await asyncio.wait_for(
+                    self._roundtrip(w, "run", data, env, extra), timeout
+                )
                 ok = True
                 return result
             except AgentError as e:
@@ -248,10 +269,10 @@ class SubprocAgentPool:
                     await asyncio.to_thread(self._discard, w)
 
     async def _roundtrip(
-        self, w: _Worker, data: Any, env: dict[str, str], extra: dict[str, Any]
+        self, w: _Worker, kind: str, data: Any, env: dict[str, str], extra: dict[str, Any]
     ) -> Any:
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(w.conn.send, (self.spec, data, env, extra))
+        await asyncio.to_thread(w.conn.send, (kind, self.spec, data, env, extra))
         ready = loop.create_future()
         fd = w.conn.fileno()
         loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
@@ -262,7 +283,7 @@ class SubprocAgentPool:
         try:
             payload = await asyncio.to_thread(w.conn.recv_bytes)
         except (EOFError, OSError) as e:
-            raise AgentError(
+            raise WorkerDied(
                 f"the agent's worker process died (exit code {w.process.exitcode})"
             ) from e
         kind, *rest = pickle.loads(payload)

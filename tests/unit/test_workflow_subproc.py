@@ -32,6 +32,8 @@ AGENTS = textwrap.dedent(
             assert os.environ["ANTHROPIC_API_KEY"] == os.environ["OPENAI_API_KEY"]
             if data.get("hang"):
                 time.sleep(3600)
+            if data.get("exit"):
+                os._exit(3)
             if data.get("fail"):
                 raise KeyError("missing-field-in-child")
             client = openai.OpenAI(max_retries=0)
@@ -103,18 +105,23 @@ async def test_sync_agent_hanging_agent_and_recovery(proxy_server, engine, agent
         assert sink[0].reason == "agent_error" and "missing-field-in-child" in sink[0].error
         assert wf._pool.killed == 0  # an exception does not cost the worker
 
+        with episode_sink() as sink:
+            assert await wf.arun_episode(engine, {"q": "x", "exit": True}) is None
+        assert sink[0].reason == "agent_error" and "died" in sink[0].error
+        assert wf._pool.killed == 1
+
         wf.rollout.episode_timeout = 2.0
         t0 = time.monotonic()
         with episode_sink() as sink:
             assert await wf.arun_episode(engine, {"q": "x", "hang": True}) is None
         assert sink[0].reason == "timeout" and time.monotonic() - t0 < 30
-        assert wf._pool.killed == 1
+        assert wf._pool.killed == 2
 
         wf.rollout.episode_timeout = 60.0
         with episode_sink() as sink:
             td = await wf.arun_episode(engine, {"q": "Say ok."})
         assert td is not None and sink[0].accepted, sink[0].error
-        assert wf.stats["accepted"] == 3 and wf.stats["rejected"] == 2
+        assert wf.stats["accepted"] == 3 and wf.stats["rejected"] == 3
     finally:
         await wf.aclose()
 

@@ -1,0 +1,195 @@
+"""``AenvAgent``: a tool-using chat agent on an AEnvironment, trainable through the proxy.
+
+It is an ordinary OpenAI SDK agent (``AsyncOpenAI`` pointed at whatever ``base_url`` it is given)
+so the same code runs against a hosted model or, during training, against the interception
+proxy that records every completion. One episode:
+
+1. open an environment instance (``AenvEnvironmentAdapter``) and list its tools;
+2. chat: the model answers or calls tools; tool calls run in the environment and their results
+   go back as ``tool`` messages; stop at a reply without tool calls (the final answer) or after
+   ``max_turns`` model calls;
+3. reward: the environment's ``@register_reward`` function (or ``reward_fn``);
+4. release the environment (always) and return the reward as a float.
+
+A tool the model invents (not offered to it) is refused with a tool error message, never sent
+to the environment. Transport failures that survive the adapter's safe retries raise, which
+rejects the episode (training goes on without it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.infra.aenv.config import AenvConfig
+from areal_env.infra.aenv.episode import (
+    EnvironmentPool,
+    EpisodeOutcome,
+    compute_reward,
+    initial_messages,
+    make_config,
+    resolve_reward_fn,
+    sampling_kwargs,
+)
+from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful assistant. Use the tools to compute. When you know the answer, "
+    "reply with the final number only."
+)
+
+
+class ToolErrorRaised(RuntimeError):
+    """A tool reported an error and ``tool_error_policy`` is ``raise``: the episode is aborted."""
+
+
+class AenvAgent:
+    """Multi-turn tool-calling agent over an AEnvironment (``async def run(data, **kw) -> float``).
+
+    Args:
+        aenv_config: ``AenvConfig`` or a mapping of its fields (YAML ``workflow_kwargs``).
+        aenv_urls: several servers of the same environment; each episode uses the least busy.
+        max_turns: most model calls per episode.
+        system_prompt: prepended unless the item's chat has its own system message.
+        reward_fn: callable or import string; default = the environment's reward function.
+        gconfig: a ``GenerationConfig`` (or mapping) for ``temperature``/``top_p``/``max_tokens``;
+            ``temperature``, ``top_p``, ``max_tokens`` override it.
+        tool_error_policy: ``append_error`` (show the error to the model) or ``raise`` (abort);
+            default: ``aenv_config.tool_error_policy``.
+        model: the model name sent with requests (the proxy accepts any).
+        tool_choice: sent with every request (``auto``/``required``/``none``/a named function);
+            default: not sent (the server's ``auto``).
+        first_turn_tool_choice: overrides ``tool_choice`` on the first model call only, e.g.
+            ``required`` so that a weak model calls a tool once and then answers from its result.
+    """
+
+    def __init__(
+        self,
+        aenv_config: AenvConfig | dict[str, Any] | None = None,
+        *,
+        aenv_urls: list[str] | None = None,
+        max_turns: int = 3,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        reward_fn: Callable[..., Any] | str | None = None,
+        gconfig: Any = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        tool_error_policy: str | None = None,
+        model: str | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        first_turn_tool_choice: str | dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
+        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
+        self.pool = EnvironmentPool(self.config, aenv_urls)
+        self.max_turns = max_turns
+        self.system_prompt = system_prompt
+        self.reward_fn = resolve_reward_fn(reward_fn)
+        self.sampling = sampling_kwargs(
+            gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens
+        )
+        self.model = model
+        self.tool_choice = tool_choice
+        self.first_turn_tool_choice = first_turn_tool_choice
+
+    # ------------------------------------------------------------------------------------------
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+        """Run one episode on ``data`` and return its reward.
+
+        ``extra_kwargs``: ``base_url``, ``api_key``, ``http_client`` (injected by the training
+        workflow; else ``OPENAI_BASE_URL``/``OPENAI_API_KEY``), ``model``.
+        """
+        from openai import AsyncOpenAI
+
+        http_client = extra_kwargs.get("http_client")
+        client = AsyncOpenAI(
+            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
+            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
+            http_client=http_client,
+            max_retries=0,  # a retried completion would be recorded twice by the proxy
+        )
+        model = extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
+        try:
+            async with self.pool.adapter() as env:
+                outcome = await self._episode(client, model, env, data)
+                reward = await compute_reward(outcome, env, self.reward_fn)
+        finally:
+            if http_client is None:
+                await client.close()
+        logger.debug("episode done: reward=%s answer=%r", reward, outcome.final_answer[:80])
+        return reward
+
+    async def _episode(
+        self, client: Any, model: str, env: AenvEnvironmentAdapter, data: dict[str, Any]
+    ) -> EpisodeOutcome:
+        tools, name_map = await env.openai_tools()
+        messages = initial_messages(data, self.system_prompt)
+        tool_log: list[dict[str, Any]] = []
+        final_answer: str | None = None
+        request: dict[str, Any] = {"model": model, **self.sampling}
+        if tools:
+            request["tools"] = tools
+        for turn in range(self.max_turns):
+            choice = self.tool_choice
+            if turn == 0 and self.first_turn_tool_choice is not None:
+                choice = self.first_turn_tool_choice
+            extra = {"tool_choice": choice} if tools and choice is not None else {}
+            resp = await client.chat.completions.create(messages=messages, **request, **extra)
+            msg = resp.choices[0].message
+            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content}
+            calls = list(msg.tool_calls or [])
+            if calls:
+                assistant["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in calls
+                ]
+            messages.append(assistant)
+            if not calls:
+                final_answer = msg.content or ""
+                break
+            for call in calls:
+                messages.append(await self._run_tool(env, name_map, call, tool_log))
+        if final_answer is None:  # out of turns: the last thing the model said counts
+            final_answer = next(
+                (m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"),
+                "",
+            )
+        return EpisodeOutcome(data, final_answer, messages, tool_log)
+
+    async def _run_tool(
+        self,
+        env: AenvEnvironmentAdapter,
+        name_map: dict[str, str],
+        call: Any,
+        tool_log: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        name = call.function.name
+        entry: dict[str, Any] = {"name": name, "arguments": None, "is_error": True}
+        tool_log.append(entry)
+        if name not in name_map:
+            text = f"Error: unknown tool {name!r}; available tools: {', '.join(name_map) or 'none'}"
+        else:
+            try:
+                args = parse_tool_arguments(call.function.arguments)
+            except ToolArgumentsError as e:
+                text = f"Error: {e}"
+            else:
+                entry["arguments"] = args
+                result = await env.call_tool(name_map[name], args)
+                entry["is_error"] = result.is_error
+                text = f"Error: {result.text}" if result.is_error else result.text
+        entry["result"] = text
+        if entry["is_error"] and self.config.tool_error_policy == "raise":
+            raise ToolErrorRaised(f"tool call {name!r} failed: {text}")
+        return {"role": "tool", "tool_call_id": call.id, "content": text}

@@ -1,0 +1,217 @@
+"""Pieces every environment-backed agent needs: which server to use, the reward, sampling.
+
+Shared by ``areal_env.AenvAgent`` and the ready agents in ``agents/`` so that they behave the
+same way: one environment instance per episode, the environment's ``@register_reward`` function
+(or a user ``reward_fn``) turned into one float.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter, reward_value
+from areal_env.infra.aenv.config import AenvConfig
+
+
+class EnvironmentPool:
+    """Hands out one of several servers of the same environment per episode (least busy first).
+
+    Environments that keep per-episode state need one server per concurrent episode: start as
+    many as ``rollout.max_concurrent_rollouts`` (the launcher does) and list them all.
+    """
+
+    def __init__(self, config: AenvConfig, urls: list[str] | None = None):
+        self.config = config
+        self.urls = list(urls) if urls else [config.aenv_url]
+        self._busy = dict.fromkeys(self.urls, 0)
+        self._lock = threading.Lock()  # agents may run on several event loops / threads
+
+    def acquire(self) -> str:
+        with self._lock:
+            url = min(self.urls, key=lambda u: self._busy[u])
+            self._busy[url] += 1
+            return url
+
+    def release(self, url: str) -> None:
+        with self._lock:
+            self._busy[url] = max(0, self._busy[url] - 1)
+
+    def adapter(self) -> _PooledAdapter:
+        """``async with pool.adapter() as env:`` — an initialized adapter on the least busy
+        server, released (and its server handed back) on exit."""
+        return _PooledAdapter(self)
+
+
+class _PooledAdapter:
+    def __init__(self, pool: EnvironmentPool):
+        self.pool = pool
+        self.url: str | None = None
+        self.adapter: AenvEnvironmentAdapter | None = None
+
+    async def __aenter__(self) -> AenvEnvironmentAdapter:
+        self.url = self.pool.acquire()
+        try:
+            cfg = self.pool.config
+            if self.url != cfg.aenv_url:
+                cfg = cfg.new(aenv_url=self.url)
+            self.adapter = AenvEnvironmentAdapter(cfg.new(auto_release=True))
+            await self.adapter.initialize()
+        except BaseException:
+            self.pool.release(self.url)
+            raise
+        return self.adapter
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            if self.adapter is not None:
+                await self.adapter.release()
+        finally:
+            if self.url is not None:
+                self.pool.release(self.url)
+
+
+def make_config(aenv_config: AenvConfig | dict[str, Any] | None, **overrides: Any) -> AenvConfig:
+    """An ``AenvConfig`` from a config, a mapping (YAML) or None (defaults), plus overrides."""
+    if aenv_config is None:
+        cfg = AenvConfig()
+    elif isinstance(aenv_config, AenvConfig):
+        cfg = aenv_config
+    else:
+        cfg = AenvConfig.from_dict(dict(aenv_config))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return cfg.new(**overrides) if overrides else cfg
+
+
+def resolve_reward_fn(reward_fn: Callable[..., Any] | str | None) -> Callable[..., Any] | None:
+    """A callable from a callable or an import string (``pkg.mod:fn``, ``file.py:fn``)."""
+    if reward_fn is None or callable(reward_fn):
+        return reward_fn
+    if isinstance(reward_fn, str):
+        from areal_env.workflow.resolve import import_string
+
+        try:
+            fn = import_string(reward_fn)
+        except (ImportError, AttributeError) as e:
+            raise ImportError(f"cannot import reward_fn {reward_fn!r}: {e}") from e
+        if not callable(fn):
+            raise TypeError(f"reward_fn {reward_fn!r} is not callable")
+        return fn
+    raise TypeError(f"reward_fn must be a callable or an import string, got {reward_fn!r}")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as plain JSON types (the reward endpoint receives JSON)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+@dataclass
+class EpisodeOutcome:
+    """What the reward sees about an episode."""
+
+    data: Any
+    final_answer: str
+    messages: list[dict[str, Any]]
+    tool_calls: list[dict[str, Any]]
+
+
+async def compute_reward(
+    outcome: EpisodeOutcome,
+    env: AenvEnvironmentAdapter,
+    reward_fn: Callable[..., Any] | None,
+) -> float:
+    """The episode's reward as a float.
+
+    With ``reward_fn``: called with the keywords it accepts among ``data``/``task``,
+    ``final_answer``, ``messages``, ``tool_calls`` and ``env`` (may be async); returns a number
+    or ``{"reward": x}``. Without: the environment's reward function receives
+    ``{"final_answer", "task", "tool_calls"}`` as JSON.
+    """
+    if reward_fn is not None:
+        candidates = {
+            "data": outcome.data,
+            "task": outcome.data,
+            "final_answer": outcome.final_answer,
+            "messages": outcome.messages,
+            "tool_calls": outcome.tool_calls,
+            "env": env,
+        }
+        try:
+            params = inspect.signature(reward_fn).parameters.values()
+        except (TypeError, ValueError):
+            params = []
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            kwargs = candidates
+        else:
+            kwargs = {p.name: candidates[p.name] for p in params if p.name in candidates}
+        result = reward_fn(**kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return reward_value(result)
+    result = await env.call_reward(
+        {
+            "final_answer": outcome.final_answer,
+            "task": json_safe(outcome.data),
+            "tool_calls": json_safe(outcome.tool_calls),
+        }
+    )
+    return reward_value(result)
+
+
+def sampling_kwargs(
+    gconfig: Any = None,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """OpenAI request parameters from a ``GenerationConfig`` (or mapping) plus overrides."""
+    out: dict[str, Any] = {}
+    if gconfig is not None:
+        g = gconfig if isinstance(gconfig, dict) else vars(gconfig)
+        if g.get("max_new_tokens") is not None:
+            out["max_tokens"] = int(g["max_new_tokens"])
+        if g.get("greedy"):
+            out["temperature"] = 0.0
+        elif g.get("temperature") is not None:
+            out["temperature"] = float(g["temperature"])
+        if g.get("top_p") is not None and g.get("top_p") != 1.0:
+            out["top_p"] = float(g["top_p"])
+    if temperature is not None:
+        out["temperature"] = float(temperature)
+    if top_p is not None:
+        out["top_p"] = float(top_p)
+    if max_tokens is not None:
+        out["max_tokens"] = int(max_tokens)
+    return out
+
+
+def initial_messages(data: Any, system_prompt: str | None) -> list[dict[str, Any]]:
+    """Chat messages that start an episode from a dataset item.
+
+    ``data["messages"]`` (a chat) is used as is; otherwise the first of ``prompt``, ``question``,
+    ``query``, ``problem`` becomes the user message. ``system_prompt`` is prepended unless the
+    chat already starts with a system message.
+    """
+    if isinstance(data, str):
+        messages = [{"role": "user", "content": data}]
+    elif isinstance(data, dict) and isinstance(data.get("messages"), list):
+        messages = [dict(m) for m in data["messages"]]
+    elif isinstance(data, dict):
+        for key in ("prompt", "question", "query", "problem"):
+            if isinstance(data.get(key), str):
+                messages = [{"role": "user", "content": data[key]}]
+                break
+        else:
+            raise ValueError(
+                "dataset item has no 'messages', 'prompt', 'question', 'query' or 'problem'"
+            )
+    else:
+        raise ValueError(f"dataset item must be a dict or a string, got {type(data).__name__}")
+    if system_prompt and not (messages and messages[0].get("role") == "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages

@@ -1,0 +1,84 @@
+"""Train ``areal_env.AenvAgent`` on the example calculator environment.
+
+    .venv/bin/python examples/aenv/train_aenv.py --steps 2
+
+Starts the aenvironment server(s) for ``env_tools.py`` on 127.0.0.N:8081, waits until they
+answer, trains with ``PPOTrainer`` (embedded engine + interception proxy) and stops the servers
+at exit, also on Ctrl-C or errors. Extra ``key=value`` arguments override the config
+(``rollout.n_samples=8``, ``workflow_kwargs.max_turns=2``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(HERE / "config.yaml"), help="experiment YAML")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (trainer.total_train_steps)"
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="environment servers to start (the calculator is stateless: 1 serves all episodes)",
+    )
+    p.add_argument("--tools", default=str(HERE / "env_tools.py"), help="environment tools file")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("httpx", "mcp", "aenv", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.infra.aenv.launcher import AenvServerLauncher
+    from areal_env.trainer.ppo import PPOTrainer
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"trainer.total_train_steps={args.steps}")
+    cfg = load_config(ExperimentConfig, args.config, overrides)
+    if cfg.train_dataset and not Path(cfg.train_dataset).exists():
+        for base in (Path(args.config).resolve().parent, ROOT):
+            if (base / cfg.train_dataset).exists():
+                cfg.train_dataset = str(base / cfg.train_dataset)
+                break
+
+    t0 = time.monotonic()
+    with AenvServerLauncher(
+        args.tools, num_servers=args.servers, log_dir=cfg.run_dir / "aenv-logs"
+    ) as servers:
+        kwargs = dict(cfg.workflow_kwargs)
+        aenv_config = dict(kwargs.get("aenv_config") or {})
+        aenv_config["aenv_url"] = servers.urls[0]
+        kwargs["aenv_config"] = aenv_config
+        if len(servers.urls) > 1:
+            kwargs["aenv_urls"] = servers.urls
+        logging.getLogger("train_aenv").info("environment servers: %s", ", ".join(servers.urls))
+        with PPOTrainer(cfg) as trainer:
+            metrics = trainer.train(workflow_kwargs=kwargs)
+    elapsed = time.monotonic() - t0
+    print(f"done in {elapsed:.0f}s; run folder: {cfg.run_dir}")
+    for key in sorted(metrics):
+        if "reward" in key or key in ("step", "version"):
+            print(f"  {key}: {metrics[key]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

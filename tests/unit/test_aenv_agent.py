@@ -1,0 +1,185 @@
+"""AenvAgent: its tool handling against a real environment, and whole episodes through the real
+proxy and model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from areal_env.aenv_agent import AenvAgent, ToolErrorRaised
+from areal_env.api.io import GenerationConfig
+from areal_env.infra.aenv import AenvEnvironmentAdapter, AenvToolCallError
+from areal_env.infra.aenv.episode import (
+    EnvironmentPool,
+    initial_messages,
+    make_config,
+    resolve_reward_fn,
+    sampling_kwargs,
+)
+
+
+def exact_reward(final_answer: str, data: dict) -> float:
+    """Used through an import string below."""
+    return float(final_answer.strip() == str(data["answer"]))
+
+
+def _call(name: str, arguments: str, cid: str = "call_1") -> SimpleNamespace:
+    return SimpleNamespace(id=cid, function=SimpleNamespace(name=name, arguments=arguments))
+
+
+# -------------------------------------------------------------------------- configuration
+
+
+def test_agent_options_validate_and_combine(aenv_config):
+    agent = AenvAgent(
+        aenv_config.to_dict(),
+        tool_error_policy="raise",
+        gconfig=GenerationConfig(max_new_tokens=48, temperature=0.7, top_p=0.9),
+        max_tokens=24,
+        reward_fn="tests.unit.test_aenv_agent:exact_reward",
+    )
+    assert agent.config.tool_error_policy == "raise" and agent.config.host == aenv_config.host
+    assert agent.sampling == {"max_tokens": 24, "temperature": 0.7, "top_p": 0.9}
+    assert agent.reward_fn is exact_reward
+    with pytest.raises(ValueError, match="max_turns"):
+        AenvAgent(aenv_config, max_turns=0)
+    with pytest.raises(ValueError, match="unknown aenv config key 'url'"):
+        AenvAgent({"url": "http://x"})
+    with pytest.raises(ValueError, match="tool_error_policy"):
+        AenvAgent(aenv_config, tool_error_policy="ignore")
+    with pytest.raises(ImportError, match="cannot import reward_fn"):
+        resolve_reward_fn("tests.unit.test_aenv_agent:nope")
+
+
+def test_sampling_and_messages_helpers():
+    assert sampling_kwargs({"greedy": True, "max_new_tokens": 8}) == {
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
+    assert sampling_kwargs(None, temperature=1) == {"temperature": 1.0}
+    assert initial_messages({"question": "q"}, "sys") == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q"},
+    ]
+    chat = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
+    assert initial_messages({"messages": chat}, "sys") == chat
+    with pytest.raises(ValueError, match="no 'messages'"):
+        initial_messages({"answer": 1}, None)
+    assert make_config(None, tool_error_policy=None).tool_error_policy == "append_error"
+
+
+def test_pool_spreads_episodes_over_servers(aenv_config):
+    pool = EnvironmentPool(aenv_config, ["http://127.0.0.1", "http://127.0.0.2"])
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    assert {a, b} == {"http://127.0.0.1", "http://127.0.0.2"} and c in (a, b)
+    pool.release(a)
+    pool.release(b)
+    pool.release(c)
+    assert set(pool._busy.values()) == {0}
+
+
+# -------------------------------------------------------------------------- tool handling
+
+
+async def test_tool_calls_unknown_invalid_and_error(aenv_config):
+    agent = AenvAgent(aenv_config)
+    async with AenvEnvironmentAdapter(aenv_config) as env:
+        _, name_map = await env.openai_tools()
+        log: list[dict] = []
+        ok = await agent._run_tool(env, name_map, _call("add", '{"a": 20, "b": 22}'), log)
+        assert ok == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+        bad_name = await agent._run_tool(env, name_map, _call("calculator@1.0.0/add", "{}"), log)
+        assert bad_name["content"].startswith("Error: unknown tool")
+        assert "add" in bad_name["content"]  # lists what is available
+        bad_json = await agent._run_tool(env, name_map, _call("add", '{"a": 1,'), log)
+        assert bad_json["content"].startswith("Error: tool arguments are not valid JSON")
+        err = await agent._run_tool(env, name_map, _call("divide", '{"a": 1, "b": 0}'), log)
+        assert err["content"].startswith("Error:") and "division by zero" in err["content"]
+        assert [e["is_error"] for e in log] == [False, True, True, True]
+        assert log[0] == {
+            "name": "add",
+            "arguments": {"a": 20, "b": 22},
+            "is_error": False,
+            "result": "42",
+        }
+
+    strict = AenvAgent(aenv_config, tool_error_policy="raise")
+    async with AenvEnvironmentAdapter(aenv_config) as env:
+        _, name_map = await env.openai_tools()
+        with pytest.raises(ToolErrorRaised, match="division by zero"):
+            await strict._run_tool(env, name_map, _call("divide", '{"a": 1, "b": 0}'), [])
+        with pytest.raises(ToolErrorRaised, match="unknown tool"):
+            await strict._run_tool(env, name_map, _call("sqrt", "{}"), [])
+
+
+async def test_transport_failure_propagates(aenv_server_factory, aenv_config):
+    launcher = aenv_server_factory(1)
+    cfg = aenv_config.new(aenv_url=launcher.urls[0], max_retries=1)
+    agent = AenvAgent(cfg)
+    async with AenvEnvironmentAdapter(cfg) as env:
+        _, name_map = await env.openai_tools()
+        launcher.stop_server(0, kill=True)
+        with pytest.raises(AenvToolCallError, match="'calculator@1.0.0/add'.*2 attempt"):
+            await agent._run_tool(env, name_map, _call("add", '{"a": 1, "b": 2}'), [])
+
+
+# -------------------------------------------------------------------------- whole episodes
+
+
+@pytest.mark.slow
+async def test_episodes_through_the_real_proxy(proxy_server, aenv_config):
+    """Two turns with the real model: a forced tool call, its real result, a final answer."""
+    from tests.fixtures.proxy import export_session, open_session
+
+    seen: list[dict] = []
+
+    async def reward_fn(final_answer, tool_calls, messages, data, env):
+        seen.append({"final": final_answer, "tools": tool_calls, "messages": messages})
+        out = await env.call_reward(
+            {"final_answer": final_answer, "task": data, "tool_calls": tool_calls}
+        )
+        return out["reward"]
+
+    agent = AenvAgent(
+        aenv_config,
+        max_turns=2,
+        max_tokens=32,
+        temperature=0.0,
+        first_turn_tool_choice="required",
+        reward_fn=reward_fn,
+        system_prompt=None,
+    )
+    item = {"question": "What is 17 + 25? Use the add tool.", "answer": 42}
+    sid, key = open_session(proxy_server)
+    reward = await agent.run(item, base_url=proxy_server.base_url + "/v1", api_key=key)
+    assert isinstance(reward, float) and reward in (0.0, 0.2, 1.0)
+    (ep,) = seen
+    exported = await asyncio.to_thread(export_session, proxy_server, sid)
+    n_model_calls = sum(1 for m in ep["messages"] if m["role"] == "assistant")
+    assert len(exported["interactions"]) == n_model_calls >= 1
+    for entry in ep["tools"]:
+        if entry["name"] == "add" and not entry["is_error"]:
+            args = entry["arguments"]
+            assert entry["result"] == str(int(args["a"] + args["b"]))  # the env really ran it
+    tool_msgs = [m for m in ep["messages"] if m["role"] == "tool"]
+    assert len(tool_msgs) == len(ep["tools"])
+    if ep["tools"]:
+        assert json.dumps(ep["messages"])  # the conversation stays plain JSON
+
+
+@pytest.mark.slow
+async def test_env_reward_through_the_real_proxy(proxy_server, aenv_config):
+    """Default reward path: the environment's @register_reward grades the final answer."""
+    from tests.fixtures.proxy import open_session
+
+    agent = AenvAgent(aenv_config, max_turns=1, max_tokens=16, temperature=0.0)
+    _, key = open_session(proxy_server)
+    reward = await agent.run(
+        {"question": "Reply with the number 7 and nothing else.", "answer": 7},
+        base_url=proxy_server.base_url + "/v1",
+        api_key=key,
+    )
+    assert reward in (0.0, 0.2, 1.0)

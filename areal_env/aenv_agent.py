@@ -117,7 +117,7 @@ class AenvAgent:
         )
         model = extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
         try:
-            async with self.pool.adapter() as env:
+            async with self.open_environment(data) as env:
                 outcome = await self._episode(client, model, env, data)
                 reward = await compute_reward(outcome, env, self.reward_fn)
         finally:
@@ -125,6 +125,10 @@ class AenvAgent:
                 await client.close()
         logger.debug("episode done: reward=%s answer=%r", reward, outcome.final_answer[:80])
         return reward
+
+    def open_environment(self, data: dict[str, Any]) -> Any:
+        """The environment for one episode (``async with``); override to pick one per item."""
+        return self.pool.adapter()
 
     async def _episode(
         self, client: Any, model: str, env: AenvEnvironmentAdapter, data: dict[str, Any]

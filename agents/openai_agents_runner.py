@@ -1,0 +1,200 @@
+"""``RunnerAgent``: an OpenAI Agents SDK agent (``Runner.run``) on an AEnvironment.
+
+Train it unchanged: ``workflow="agents/openai_agents_runner.py:RunnerAgent"`` with
+``workflow_kwargs={"aenv_config": {...}}``. The environment's tools become ``FunctionTool``\\ s
+with OpenAI-valid names (``calculator@1.0.0/add`` → ``add``), executed through
+``AenvEnvironmentAdapter`` (safe retries, release on every exit). The Agents SDK talks to the
+injected ``base_url`` with Chat Completions (it does not stream with ``Runner.run``), so the proxy
+records every model call.
+
+Agents SDK behaviour worth knowing (openai-agents 0.4.2): a tool name the model invents aborts
+the run (``ModelBehaviorError``), and so does running out of turns (``MaxTurnsExceeded``). Both
+still get a reward here (the final answer is then whatever the model last said), so the policy
+learns from those episodes instead of losing them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.infra.aenv.config import AenvConfig
+from areal_env.infra.aenv.episode import (
+    EnvironmentPool,
+    EpisodeOutcome,
+    compute_reward,
+    initial_messages,
+    make_config,
+    resolve_reward_fn,
+    sampling_kwargs,
+)
+from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
+
+logger = logging.getLogger(__name__)
+
+
+class ToolErrorRaised(RuntimeError):
+    """A tool reported an error and ``tool_error_policy`` is ``raise``."""
+
+
+class RunnerAgent:
+    """Agents SDK agent over an AEnvironment; ``async def run(data, **kw) -> float``.
+
+    Args mirror ``areal_env.AenvAgent``: ``aenv_config``, ``aenv_urls``, ``max_turns``,
+    ``system_prompt`` (the agent's instructions), ``reward_fn``, ``gconfig``/``temperature``/
+    ``top_p``/``max_tokens``, ``tool_error_policy``, ``model``, ``first_turn_tool_choice``
+    (e.g. ``required``; the SDK resets it to auto after the first tool use).
+    """
+
+    def __init__(
+        self,
+        aenv_config: AenvConfig | dict[str, Any] | None = None,
+        *,
+        aenv_urls: list[str] | None = None,
+        max_turns: int = 3,
+        system_prompt: str | None = "Use the tools to compute, then give the final number.",
+        reward_fn: Callable[..., Any] | str | None = None,
+        gconfig: Any = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        tool_error_policy: str | None = None,
+        model: str | None = None,
+        first_turn_tool_choice: str | None = None,
+    ) -> None:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
+        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
+        self.pool = EnvironmentPool(self.config, aenv_urls)
+        self.max_turns = max_turns
+        self.system_prompt = system_prompt
+        self.reward_fn = resolve_reward_fn(reward_fn)
+        self.sampling = sampling_kwargs(
+            gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens
+        )
+        self.model = model
+        self.first_turn_tool_choice = first_turn_tool_choice
+
+    # ------------------------------------------------------------------------------------------
+    def _function_tools(
+        self,
+        env: AenvEnvironmentAdapter,
+        tools: list[dict[str, Any]],
+        name_map: dict[str, str],
+        tool_log: list[dict[str, Any]],
+    ) -> list[Any]:
+        from agents import FunctionTool
+
+        def make_invoke(openai_name: str) -> Callable[[Any, str], Any]:
+            async def invoke(_ctx: Any, raw_args: str) -> str:
+                entry: dict[str, Any] = {"name": openai_name, "arguments": None, "is_error": True}
+                tool_log.append(entry)
+                try:
+                    args = parse_tool_arguments(raw_args)
+                except ToolArgumentsError as e:
+                    text = f"Error: {e}"
+                else:
+                    entry["arguments"] = args
+                    # transport failures (AenvToolCallError) propagate: the episode is rejected
+                    result = await env.call_tool(name_map[openai_name], args)
+                    entry["is_error"] = result.is_error
+                    text = f"Error: {result.text}" if result.is_error else result.text
+                entry["result"] = text
+                if entry["is_error"] and self.config.tool_error_policy == "raise":
+                    raise ToolErrorRaised(f"tool call {openai_name!r} failed: {text}")
+                return text
+
+            return invoke
+
+        return [
+            FunctionTool(
+                name=t["function"]["name"],
+                description=t["function"]["description"],
+                params_json_schema=t["function"]["parameters"],
+                on_invoke_tool=make_invoke(t["function"]["name"]),
+                strict_json_schema=False,  # MCP schemas are not strict-mode schemas
+            )
+            for t in tools
+        ]
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+        """One episode: ``Runner.run`` with the environment's tools; returns the reward."""
+        from openai import AsyncOpenAI
+
+        from agents import (
+            Agent,
+            ItemHelpers,
+            MaxTurnsExceeded,
+            ModelBehaviorError,
+            ModelSettings,
+            OpenAIChatCompletionsModel,
+            RunConfig,
+            Runner,
+        )
+
+        http_client = extra_kwargs.get("http_client")
+        client = AsyncOpenAI(
+            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
+            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
+            http_client=http_client,
+            max_retries=0,
+        )
+        model_name = (
+            extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
+        )
+        settings = ModelSettings(
+            temperature=self.sampling.get("temperature"),
+            top_p=self.sampling.get("top_p"),
+            max_tokens=self.sampling.get("max_tokens"),
+            tool_choice=self.first_turn_tool_choice,
+        )
+        messages = initial_messages(data, None)
+        try:
+            async with self.pool.adapter() as env:
+                tools, name_map = await env.openai_tools()
+                tool_log: list[dict[str, Any]] = []
+                agent = Agent(
+                    name="aenv-runner",
+                    instructions=self.system_prompt,
+                    tools=self._function_tools(env, tools, name_map, tool_log),
+                    model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
+                    model_settings=settings,
+                )
+                run_config = RunConfig(tracing_disabled=True)
+                items: list[Any] = []
+                try:
+                    result = await Runner.run(
+                        agent, messages, max_turns=self.max_turns, run_config=run_config
+                    )
+                    final_answer = str(result.final_output or "")
+                    items = list(result.new_items)
+                except (MaxTurnsExceeded, ModelBehaviorError) as e:
+                    logger.debug("run ended early: %s", e)
+                    run_data = getattr(e, "run_data", None)
+                    items = list(getattr(run_data, "new_items", []) or [])
+                    texts = [
+                        ItemHelpers.text_message_output(i)
+                        for i in items
+                        if getattr(i, "type", "") == "message_output_item"
+                    ]
+                    final_answer = texts[-1] if texts else ""
+                transcript = [*messages, *(_item_dict(i) for i in items)]
+                outcome = EpisodeOutcome(data, final_answer, transcript, tool_log)
+                return await compute_reward(outcome, env, self.reward_fn)
+        finally:
+            if http_client is None:
+                await client.close()
+
+
+def _item_dict(item: Any) -> dict[str, Any]:
+    """A run item as a plain dict (for reward functions that look at the conversation)."""
+    raw = getattr(item, "raw_item", item)
+    if hasattr(raw, "model_dump"):
+        return raw.model_dump(exclude_none=True)
+    if isinstance(raw, dict):
+        return json.loads(json.dumps(raw, default=str))
+    return {"type": getattr(item, "type", "item"), "value": str(raw)}

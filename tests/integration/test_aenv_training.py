@@ -1,0 +1,117 @@
+"""Training through the proxy on real aenvironment servers (RUN_AENV_INTEGRATION=1).
+
+Each test runs one PPO step on the embedded default model with a tiny batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal_env.aenv_agent import AenvAgent
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ITEMS = [
+    {"task_id": "t0", "question": "What is 17 + 25? Use the add tool.", "answer": 42},
+    {"task_id": "t1", "question": "What is 30 + 12? Use the add tool.", "answer": 42},
+]
+
+
+def _config(tmp_path, model_path, *, batch_size=1, n_samples=2):
+    from areal_env.api.config import ExperimentConfig, config_from_dict
+
+    return config_from_dict(
+        ExperimentConfig,
+        {
+            "experiment_name": "aenv-it",
+            "trial_name": tmp_path.name,
+            "fileroot": str(tmp_path),
+            "model": {"path": model_path},
+            "rollout": {
+                "n_samples": n_samples,
+                "batch_size": batch_size,
+                "max_concurrent_rollouts": 4,
+                "episode_timeout": 300,
+            },
+            "gconfig": {"max_new_tokens": 24, "temperature": 1.0},
+            "actor": {"ppo_n_minibatches": 1},
+            "trainer": {"total_train_steps": 1, "tensorboard": False, "progress": False},
+        },
+    )
+
+
+def _train(cfg, items, workflow, workflow_kwargs=None):
+    from areal_env.trainer.ppo import PPOTrainer
+
+    with PPOTrainer(cfg, items) as trainer:
+        metrics = trainer.train(workflow=workflow, workflow_kwargs=workflow_kwargs)
+        return trainer, metrics
+
+
+def _agent_kwargs(url: str) -> dict:
+    return {
+        "aenv_config": {"env_name": "calculator@1.0.0", "aenv_url": url, "retry_delay": 0.1},
+        "max_turns": 2,
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "first_turn_tool_choice": "required",
+    }
+
+
+def test_train_step_aenv_agent_from_import_string(tmp_path, model_path, aenv_server):
+    cfg = _config(tmp_path, model_path)
+    trainer, metrics = _train(cfg, ITEMS[:1], "areal_env.AenvAgent", _agent_kwargs(aenv_server.url))
+    assert trainer.step == 1
+    assert any("reward" in k for k in metrics), metrics
+
+
+def test_train_step_agents_sdk_runner(tmp_path, model_path, aenv_server):
+    cfg = _config(tmp_path, model_path)
+    kwargs = _agent_kwargs(aenv_server.url)
+    trainer, metrics = _train(
+        cfg, ITEMS[:1], str(ROOT / "agents" / "openai_agents_runner.py") + ":RunnerAgent", kwargs
+    )
+    assert trainer.step == 1
+    assert any("reward" in k for k in metrics), metrics
+
+
+class _KillingAgent(AenvAgent):
+    """Items marked ``kill`` run on a dedicated server that dies as the episode starts."""
+
+    def __init__(self, doomed, **kwargs):
+        super().__init__(**kwargs)
+        self.doomed = doomed  # (launcher, index)
+        self.killed_episodes = 0
+
+    def open_environment(self, data):
+        if data.get("kill"):
+            launcher, index = self.doomed
+            cfg = self.config.new(aenv_url=launcher.urls[index], max_retries=1)
+            from areal_env.infra.aenv.episode import EnvironmentPool
+
+            return EnvironmentPool(cfg).adapter()
+        return super().open_environment(data)
+
+    async def _episode(self, client, model, env, data):
+        if data.get("kill"):
+            launcher, index = self.doomed
+            launcher.stop_server(index, kill=True)
+            self.killed_episodes += 1
+        return await super()._episode(client, model, env, data)
+
+
+def test_server_killed_mid_episode_is_rejected_training_goes_on(
+    tmp_path, model_path, aenv_server, aenv_server_factory
+):
+    doomed = aenv_server_factory(1)
+    agent = _KillingAgent((doomed, 0), **_agent_kwargs(aenv_server.url))
+    items = [dict(ITEMS[0]), dict(ITEMS[1], kill=True)]
+    cfg = _config(tmp_path, model_path, batch_size=2, n_samples=2)
+    trainer, metrics = _train(cfg, items, agent)
+    assert agent.killed_episodes == 2
+    assert trainer.step == 1  # the healthy group trained
+    rejected = [v for k, v in metrics.items() if "reject" in k and isinstance(v, (int, float))]
+    assert rejected and max(rejected) >= 2, metrics

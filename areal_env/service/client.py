@@ -21,6 +21,7 @@ import os
 import random
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -369,14 +370,18 @@ class AgentSession:
         return self._afinalize(final_reward, status)
 
 
+def _status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    if status is None:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
 def is_transient(exc: BaseException) -> bool:
     """Connection failures and 429/502/503/504 answers (from httpx, openai, anthropic, us)."""
     if isinstance(exc, (httpx.TransportError, asyncio.TimeoutError)):
         return True
-    status = getattr(exc, "status_code", None)
-    if status is None:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-    if status in TRANSIENT_STATUS:
+    if _status_of(exc) in TRANSIENT_STATUS:
         return True
     names = {c.__name__ for c in type(exc).__mro__}
     return bool(names & {"APIConnectionError", "APITimeoutError"})
@@ -413,7 +418,9 @@ class AgentRunner:
     ``group_id`` (one GRPO group, so ``group_size`` should equal the service's
     ``rollout.n_samples``). ``agent_fn(item)`` returns the reward (finalized for it) or None
     (it finalized or rewarded through ``current_session()`` itself). Transient failures
-    (connection errors, 429/502/503/504) are retried in a new session with backoff.
+    (connection errors, 502/503/504) are retried in a new session with backoff, at most
+    ``max_retries`` times; "busy" answers (429: quota, or the trainer has enough rollouts in
+    flight) are retried for up to ``patience`` seconds.
     """
 
     def __init__(
@@ -440,6 +447,7 @@ class AgentRunner:
         progress: bool = True,
         backoff: float = 0.5,
         group_prefix: str | None = None,
+        patience: float = 3600.0,
     ) -> list[AgentResult]:
         items = list(dataset)
         if concurrency < 1 or group_size < 1 or max_retries < 0:
@@ -463,8 +471,10 @@ class AgentRunner:
             async def one(index: int, sample: int) -> None:
                 res = results[index]
                 async with semaphore:
-                    for attempt in range(max_retries + 1):
-                        res.attempts[sample] = attempt + 1
+                    failures = 0  # transient failures other than "busy" (429)
+                    started = time.monotonic()
+                    while True:
+                        res.attempts[sample] += 1
                         try:
                             reward, sid = await self._episode(
                                 http, agent_fn, res.item, f"{prefix}-{index}"
@@ -474,10 +484,17 @@ class AgentRunner:
                             break
                         except Exception as e:  # noqa: BLE001 - reported per item
                             res.errors[sample] = f"{type(e).__name__}: {e}"
-                            if not is_transient(e) or attempt == max_retries:
+                            busy = _status_of(e) == 429
+                            if busy:  # quota or trainer backlog: wait it out, up to patience
+                                give_up = time.monotonic() - started > patience
+                            else:
+                                failures += 1
+                                give_up = not is_transient(e) or failures > max_retries
+                            if give_up:
                                 logger.warning("item %d sample %d failed: %s", index, sample, e)
                                 break
-                            delay = min(backoff * 2**attempt, 10.0) * (0.5 + random.random())
+                            step = min(res.attempts[sample] - 1, 8)
+                            delay = min(backoff * 2**step, 10.0) * (0.5 + random.random())
                             await asyncio.sleep(delay)
                 if bar is not None:
                     bar.update(1)

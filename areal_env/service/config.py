@@ -57,6 +57,11 @@ class ServiceConfig:
     """Export style; None = ``rollout.export_style``."""
     group_timeout: float = 1800.0
     """Seconds an incomplete GRPO group may wait for members before it is used as it is."""
+    admission_control: bool = True
+    """``serve-training``: start a session only while the trainer can still use it within
+    ``rollout.max_head_offpolicyness`` versions (otherwise it waits, then answers 429)."""
+    admission_timeout: float = 30.0
+    """Seconds ``POST /rl/v1/sessions`` waits for an admission slot before answering 429."""
     request_timeout: float = 3600.0
     """Read timeout of forwarded model calls (generation can be slow)."""
     ssl_keyfile: str | None = None
@@ -72,7 +77,13 @@ class ServiceConfig:
             )
         if self.num_proxies < 1:
             raise ConfigError(f"service.num_proxies={self.num_proxies!r} must be >= 1")
-        for name in ("session_ttl", "health_interval", "health_timeout", "group_timeout"):
+        for name in (
+            "session_ttl",
+            "health_interval",
+            "health_timeout",
+            "group_timeout",
+            "admission_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"service.{name}={getattr(self, name)!r} must be > 0")
         if self.health_failures < 1:

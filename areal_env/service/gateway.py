@@ -303,10 +303,23 @@ class Gateway:
             self.keys.acquire(user)
         except QuotaExceededError as e:
             raise ServiceError(429, str(e), "rate_limit_error") from e
+        admitted = False
         try:
+            admit = getattr(self.source, "admit", None)
+            if admit is not None and getattr(self.source, "admission_control", False):
+                if not await admit(self.config.admission_timeout):
+                    raise ServiceError(
+                        429,
+                        "the trainer has enough rollouts in flight for its staleness bound; "
+                        "retry after the next training step",
+                        "rate_limit_error",
+                    )
+                admitted = True
             return await self._start_on_backend(user, group_id, task_id, metadata or {})
         except BaseException:
             self.keys.release(user)
+            if admitted:
+                self.source.release_admission()
             raise
 
     async def _start_on_backend(

@@ -130,7 +130,9 @@ class TrainingService:
                 pcfg = dataclasses.replace(self.cfg.proxy, host="127.0.0.1", port=0)
                 self.proxies.append(ProxyServer(self.engine, tokenizer, pcfg).start())
             self.source = ExternalTrajectorySource(
-                self.cfg.rollout, group_timeout=self.service.group_timeout
+                self.cfg.rollout,
+                group_timeout=self.service.group_timeout,
+                admission_control=self.service.admission_control,
             )
             self.gateway = GatewayServer(
                 self.service,

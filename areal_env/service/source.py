@@ -148,6 +148,7 @@ class ExternalTrajectorySource:
         batch_size: int | None = None,
         max_head_offpolicyness: int | None = None,
         group_timeout: float = 1800.0,
+        admission_control: bool = False,
     ) -> None:
         self.n_samples = int(n_samples or getattr(rollout, "n_samples", 1))
         self.batch_size = int(batch_size or getattr(rollout, "batch_size", 1))
@@ -164,6 +165,9 @@ class ExternalTrajectorySource:
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._closed = False
         self._version = 0
+        self._version0: int | None = None
+        self.admission_control = admission_control
+        self._admitted = 0
         self._failed_since_batch = 0
         self._invalid_since_batch = 0
         self.total_received = 0
@@ -191,13 +195,73 @@ class ExternalTrajectorySource:
         self._wake()
 
     def put_failed(self, group_id: str | None = None, reason: str = "") -> None:
-        """Record a failed session (excluded from training; its group keeps waiting)."""
+        """Record a failed session (excluded from training; its group keeps waiting, and its
+        admission slot is given back)."""
         with self._lock:
             self.total_failed += 1
             self._failed_since_batch += 1
+            self._admitted = max(0, self._admitted - 1)
             if group_id is not None and group_id in self._open:
                 self._open[group_id].failed += 1
         logger.info("external session of group %s failed: %s", group_id, reason or "no reason")
+        self._wake()
+
+    # -- admission (staleness control at session start) -----------------------------------
+
+    def _admission_limit(self) -> int:
+        """Sessions that may have started by now: ``(versions trained + offpolicyness + 1)``
+        batches. A session admitted under this limit is consumed at most
+        ``max_head_offpolicyness`` versions after its weights (AReaL's rule)."""
+        trained = self._version - (self._version0 if self._version0 is not None else 0)
+        per_batch = self.batch_size * self.n_samples
+        return (trained + self.max_head_offpolicyness + 1) * per_batch
+
+    def try_admit(self) -> bool:
+        """Take an admission slot if one is free (always True without admission control)."""
+        if not self.admission_control:
+            return True
+        with self._lock:
+            if self._version0 is None:
+                self._version0 = self._version
+            if self._admitted < self._admission_limit():
+                self._admitted += 1
+                return True
+        return False
+
+    def release_admission(self) -> None:
+        """Give back a slot of a session that never started."""
+        with self._lock:
+            self._admitted = max(0, self._admitted - 1)
+        self._wake()
+
+    async def admit(self, timeout: float | None = None) -> bool:
+        """Wait (no polling: woken by version bumps and failures) for an admission slot."""
+        if self.try_admit():
+            return True
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        waiter = (loop, event)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            while True:
+                event.clear()
+                if self.try_admit():
+                    return True
+                with self._lock:
+                    if self._closed:
+                        raise SourceClosedError("the trajectory source is closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=left)
+                except TimeoutError:
+                    pass
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
 
     def _group_for(self, group_id: str | None) -> _Group:
         if group_id is None:
@@ -255,7 +319,11 @@ class ExternalTrajectorySource:
     # -- consumer side (the trainer) -------------------------------------------------------
 
     def set_version(self, version: int) -> None:
-        self._version = int(version)
+        with self._lock:
+            if self._version0 is None and self._admitted == 0:
+                self._version0 = int(version)
+            self._version = int(version)
+        self._wake()  # admission waiters may proceed
 
     def get_version(self) -> int:
         return self._version

@@ -325,3 +325,24 @@ def test_tls_via_uvicorn_options(engine, tokenizer, tmp_path):
         stack.gateway.stop()
         for p in stack.proxies:
             p.stop()
+
+
+async def test_admission_control_waits_for_the_trainer(engine, tokenizer):
+    """New sessions wait while the trainer could not use them within the staleness bound."""
+    stack = make_service_stack(
+        engine, tokenizer, n_samples=1, batch_size=1, admission=True, admission_timeout=1.0
+    )
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as h:
+            assert (await h.post("/rl/v1/sessions", headers=bearer(ALICE))).status_code == 200
+            r = await h.post("/rl/v1/sessions", headers=bearer(BOB))  # limit (0+0+1) x 1 x 1
+            assert r.status_code == 429 and "in flight" in r.json()["error"]["message"]
+            assert (await h.post("/rl/v1/sessions", headers=bearer(BOB))).status_code == 429
+            waiting = asyncio.create_task(h.post("/rl/v1/sessions", headers=bearer(BOB)))
+            await asyncio.sleep(0.2)
+            stack.source.set_version(1)  # a training step finished
+            assert (await waiting).status_code == 200
+    finally:
+        stack.gateway.stop()
+        for p in stack.proxies:
+            p.stop()

@@ -106,3 +106,21 @@ async def test_executor_prefetch_interface():
     batch, stats = await src.next_batch(trainer_version=0, batch_size=3, timeout=5)
     assert batch["group_ids"].tolist() == [0, 1, 2] and stats["groups/accepted"] == 3
     await src.aclose()
+
+
+async def test_admission_bounds_sessions_by_staleness_and_wakes_on_version():
+    src = ExternalTrajectorySource(
+        n_samples=2, batch_size=1, max_head_offpolicyness=1, admission_control=True
+    )
+    assert [src.try_admit() for _ in range(5)] == [True] * 4 + [False]  # (0 + 1 + 1) x 2
+    assert not await src.admit(timeout=0.1)
+    src.put_failed("g")  # a failed session gives its slot back
+    assert await src.admit(timeout=0.1)
+    waiter = asyncio.create_task(src.admit(timeout=10))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    t0 = time.monotonic()
+    threading.Thread(target=src.set_version, args=(1,)).start()  # the trainer's next version
+    assert await asyncio.wait_for(waiter, 5) and time.monotonic() - t0 < 2
+    assert src.try_admit() and not src.try_admit()  # limit is now (1 + 1 + 1) x 2 = 6
+    assert ExternalTrajectorySource(n_samples=1, batch_size=1).try_admit()  # off by default

@@ -72,7 +72,8 @@ class DataLoader:
     so every step sees ``batch_size`` prompts.
 
     ``position`` = (epoch, batch index in that epoch); ``state_dict``/``load_state_dict`` carry it.
-    Each item is returned with ``_index`` (its dataset index) added.
+    An item without an ``id`` / ``task_id`` / ``query_id`` key is returned with ``task_id`` set
+    to its dataset index, so its episodes and trajectory dumps can be traced back to it.
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, seed: int = 1, shuffle: bool = True):
@@ -110,7 +111,8 @@ class DataLoader:
         out = []
         for i in idx:
             item = dict(self.items[i])
-            item.setdefault("_index", i)
+            if all(item.get(k) is None for k in ("id", "task_id", "query_id")):
+                item["task_id"] = str(i)
             out.append(item)
         return out
 

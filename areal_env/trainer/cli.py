@@ -1,0 +1,91 @@
+"""``areal-env train CONFIG.yaml [section.key=value ...]``: a training run from a YAML config.
+
+The dataset is ``train_dataset`` (a JSONL path) and the agent/workflow is ``workflow`` (an import
+string ``pkg.mod:Attr`` or a file path ``path/to/agent.py:Attr``) with ``workflow_kwargs``.
+Relative paths are tried against the working directory first, then the config file's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+
+def _relocate(value: str | None, base: Path) -> str | None:
+    """``value`` if it exists relative to the CWD, else relative to ``base`` if it exists there."""
+    if not value or Path(value).exists() or Path(value).is_absolute():
+        return value
+    cand = base / value
+    return str(cand) if cand.exists() else value
+
+
+def _relocate_workflow(spec: str | None, base: Path) -> str | None:
+    if not spec or ".py:" not in spec:
+        return spec
+    path, attr = spec.rsplit(":", 1)
+    return f"{_relocate(path, base)}:{attr}"
+
+
+def resolve_paths(cfg: ExperimentConfig, config_path: Path) -> ExperimentConfig:
+    base = config_path.resolve().parent
+    return dataclasses.replace(
+        cfg,
+        train_dataset=_relocate(cfg.train_dataset, base),
+        valid_dataset=_relocate(cfg.valid_dataset, base),
+        workflow=_relocate_workflow(cfg.workflow, base),
+    )
+
+
+def summarize(final: dict[str, Any]) -> str:
+    keys = [
+        "step",
+        "reward/first_steps_mean",
+        "reward/last_steps_mean",
+        "run_dir",
+        "metrics_file",
+        "reward_plot",
+        "dump_dir",
+        "checkpoint",
+    ]
+    return json.dumps({k: final.get(k) for k in keys if k in final}, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="areal-env train",
+        description="Train a model with PPO/GRPO on an agent workflow, from a YAML config.",
+    )
+    ap.add_argument("config", help="YAML file with an ExperimentConfig")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n_samples=8")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"areal-env train: {e}", file=sys.stderr)
+        return 2
+    cfg = resolve_paths(cfg, Path(args.config))
+    if not cfg.train_dataset:
+        print("areal-env train: set train_dataset (a JSONL path) in the config", file=sys.stderr)
+        return 2
+    if not cfg.workflow:
+        print("areal-env train: set workflow (the agent to train) in the config", file=sys.stderr)
+        return 2
+    from areal_env.trainer.ppo import PPOTrainer
+
+    with PPOTrainer(cfg, cfg.train_dataset, cfg.valid_dataset) as trainer:
+        final = trainer.train()
+    print(summarize(final))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""``PPOTrainer``: rollouts through the proxy → PPO update → weight push → version bump.
+
+One training step:
+1. take ``rollout.batch_size`` items from the dataset (shuffled with ``seed``, position saved);
+2. ``RolloutExecutor.rollout_batch`` runs ``n_samples`` episodes per item through the proxy
+   (or, with ``rollout.max_head_offpolicyness > 0``, the next batch is already rolling out
+   while this one trains);
+3. ``PPOActor.update`` in a worker thread (the event loop — proxy sessions, prefetching — stays
+   responsive);
+4. push the new weights to the engine (in-process state dict, or an HF folder under
+   ``run_dir/weights/v{N}`` for engines that load from disk) and bump the version everywhere;
+5. metrics, trajectory dumps, reward plot, and a checkpoint every ``trainer.save_freq_steps``.
+
+A batch where every episode was rejected skips the update (logged as ``update_skipped``) and
+training goes on. The trainer's model copy is separate from the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import logging
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from areal_env.api.config import ExperimentConfig, validate_config
+from areal_env.trainer import checkpoint as ckpt
+from areal_env.trainer.data import DataLoader
+from areal_env.trainer.stats import MetricsLogger, Progress, dump_records, plot_reward_curve
+
+logger = logging.getLogger(__name__)
+
+
+class PPOTrainer:
+    """Trains ``config.model`` with PPO/GRPO on episodes of an agent workflow.
+
+    ``with PPOTrainer(cfg, dataset) as t: t.train(workflow="my_agent.py:Agent")``. The dataset is
+    a list of dicts, a JSONL path or a ``datasets.Dataset`` (default: ``cfg.train_dataset``).
+    """
+
+    def __init__(
+        self, config: ExperimentConfig, train_dataset: Any = None, valid_dataset: Any = None
+    ) -> None:
+        validate_config(config)
+        self.config = config
+        dataset = train_dataset if train_dataset is not None else config.train_dataset
+        self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
+        self.valid_items = None
+        valid = valid_dataset if valid_dataset is not None else config.valid_dataset
+        if valid is not None:
+            from areal_env.trainer.data import load_items
+
+            self.valid_items = list(load_items(valid))
+        self.run_dir = Path(config.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.engine: Any = None
+        self.proxy: Any = None
+        self.actor: Any = None
+        self.tokenizer: Any = None
+        self.executor: Any = None
+        self.metrics: MetricsLogger | None = None
+        self.step = 0
+        self.version = 0
+        self.last_metrics: dict[str, Any] = {}
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> PPOTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the proxy and the engine (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proxy is not None:
+            try:
+                self.proxy.stop()
+            except Exception as e:
+                logger.warning("stopping the proxy failed: %s", e)
+            self.proxy = None
+        if self.engine is not None:
+            try:
+                self.engine.destroy()
+            except Exception as e:
+                logger.warning("destroying the engine failed: %s", e)
+            self.engine = None
+        if self.metrics is not None:
+            self.metrics.close()
+
+    @property
+    def total_steps(self) -> int:
+        t = self.config.trainer
+        if t.total_train_steps is not None:
+            return t.total_train_steps
+        return t.total_train_epochs * len(self.data)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train(
+        self,
+        workflow: Any = None,
+        workflow_kwargs: dict[str, Any] | None = None,
+        eval_workflow: Any = None,
+    ) -> dict[str, Any]:
+        """Run training to ``total_steps``; return the final metrics.
+
+        Works with or without a running event loop (inside one, training runs on a helper
+        thread with its own loop).
+        """
+        coro_args = (workflow, workflow_kwargs, eval_workflow)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.atrain(*coro_args))
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = asyncio.run(self.atrain(*coro_args))
+            except BaseException as e:  # re-raised in the caller's thread
+                box["err"] = e
+
+        th = threading.Thread(target=run, name="areal-env-trainer")
+        th.start()
+        th.join()
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    async def atrain(
+        self,
+        workflow: Any = None,
+        workflow_kwargs: dict[str, Any] | None = None,
+        eval_workflow: Any = None,
+    ) -> dict[str, Any]:
+        """The training loop (async form of ``train``)."""
+        cfg = self.config
+        wf_spec = workflow if workflow is not None else cfg.workflow
+        if wf_spec is None:
+            raise ValueError(
+                "no workflow: pass train(workflow=...) or set `workflow` in the config"
+            )
+        wf_kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
+        self._seed_everything(cfg.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
+        await asyncio.to_thread(self._setup_models)
+        restored = await asyncio.to_thread(self._maybe_recover)
+        self.metrics.truncate_after(self.step if restored else 0)
+        self._drop_stale_dumps(self.version - 1 if restored else -1)
+        self._start_proxy()
+        from areal_env.workflow.executor import RolloutExecutor
+        from areal_env.workflow.resolve import resolve_workflow
+
+        wf = resolve_workflow(
+            wf_spec,
+            wf_kwargs,
+            rollout=cfg.rollout,
+            proxy_base_url=self.proxy.base_url,
+            admin_key=self.proxy.admin_key,
+        )
+        self.executor = RolloutExecutor(
+            self.engine,
+            wf,
+            cfg.rollout,
+            proxy_base_url=self.proxy.base_url,
+            admin_key=self.proxy.admin_key,
+            show_progress=cfg.trainer.progress,
+        )
+        await self._open_capacity_if_unmanaged()
+        self.executor.set_version(self.version)
+        eval_executor = None
+        if eval_workflow is not None and self.valid_items:
+            ewf = resolve_workflow(
+                eval_workflow,
+                wf_kwargs,
+                rollout=cfg.rollout,
+                proxy_base_url=self.proxy.base_url,
+                admin_key=self.proxy.admin_key,
+            )
+            eval_executor = RolloutExecutor(
+                self.engine,
+                ewf,
+                cfg.rollout,
+                proxy_base_url=self.proxy.base_url,
+                admin_key=self.proxy.admin_key,
+                show_progress=False,
+            )
+        total = self.total_steps
+        progress = Progress(total, initial=self.step, enabled=cfg.trainer.progress)
+        logger.info(
+            "training %d steps (from step %d, version %d); run dir %s",
+            total,
+            self.step,
+            self.version,
+            self.run_dir,
+        )
+        prefetch = cfg.rollout.max_head_offpolicyness > 0
+        pending_items: list[dict[str, Any]] | None = None
+        try:
+            while self.step < total:
+                t_step = time.perf_counter()
+                if prefetch:
+                    if pending_items is None:
+                        pending_items = self.data.next_batch()
+                        for it in pending_items:
+                            self.executor.submit(it)
+                    data_state = self.data.state_dict()
+                    items = pending_items
+                    if self.step + 1 < total:  # the next batch rolls out while this one trains
+                        pending_items = self.data.next_batch()
+                        for it in pending_items:
+                            self.executor.submit(it)
+                    batch, rstats = await self.executor.next_batch(
+                        trainer_version=self.version, batch_size=len(items)
+                    )
+                else:
+                    items = self.data.next_batch()
+                    data_state = self.data.state_dict()
+                    batch, rstats = await self.executor.rollout_batch(
+                        items, trainer_version=self.version
+                    )
+                t_rollout = time.perf_counter() - t_step
+                records = list(getattr(self.executor, "last_episodes", []) or [])
+                dumped_version = self.version
+                metrics: dict[str, Any] = dict(rstats)
+                metrics["time/rollout_s"] = t_rollout
+                if batch is None or int(batch["loss_mask"].sum()) == 0:
+                    logger.warning("step %d: every episode was rejected; update skipped", self.step)
+                    metrics["actor/update_skipped"] = 1.0
+                    metrics["empty_batch"] = 1.0
+                else:
+                    metrics["empty_batch"] = 0.0
+                    ustats = await asyncio.to_thread(self.actor.update, batch, step=self.step)
+                    metrics.update(ustats)
+                    if not ustats.get("actor/update_skipped"):
+                        t0 = time.perf_counter()
+                        await asyncio.to_thread(self._push_weights, self.version + 1)
+                        metrics["time/weight_push_s"] = time.perf_counter() - t0
+                        self.version += 1
+                        self.executor.set_version(self.version)
+                if cfg.rollout.dump_to_file and records:
+                    self._dump(records, dumped_version)
+                self.step += 1
+                # Position after this step; in prefetch mode the batch drawn ahead is not counted.
+                self._data_state = data_state
+                if (
+                    eval_executor is not None
+                    and cfg.trainer.eval_freq_steps
+                    and self.step % cfg.trainer.eval_freq_steps == 0
+                ):
+                    metrics.update(await self._evaluate(eval_executor))
+                step_s = time.perf_counter() - t_step
+                metrics["time/step_s"] = step_s
+                metrics["version"] = self.version
+                metrics["epoch"] = self.data.epoch
+                if metrics.get("tokens/total"):
+                    metrics["perf/tokens_per_s"] = metrics["tokens/total"] / step_s
+                self.metrics.log(self.step, metrics)
+                self.last_metrics = {"step": self.step, **metrics}
+                progress.update(self.step, metrics)
+                plot_reward_curve(self.metrics.read(), self.run_dir / "reward_curve.png")
+                freq = cfg.trainer.save_freq_steps
+                if self.step == total or (freq and self.step % freq == 0):
+                    await asyncio.to_thread(self._save_checkpoint)
+        finally:
+            progress.close()
+            await self.executor.aclose()
+            if eval_executor is not None:
+                await eval_executor.aclose()
+        records = self.metrics.read()
+        plot = plot_reward_curve(records, self.run_dir / "reward_curve.png")
+        final = dict(self.last_metrics)
+        rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
+        if rewards:
+            k = max(1, min(3, len(rewards) // 2))
+            final["reward/first_steps_mean"] = sum(rewards[:k]) / k
+            final["reward/last_steps_mean"] = sum(rewards[-k:]) / k
+        final.update(
+            {
+                "run_dir": str(self.run_dir),
+                "metrics_file": str(self.metrics.path),
+                "reward_plot": str(plot) if plot else None,
+                "dump_dir": str(self.run_dir / "rollout"),
+                "checkpoint": str(ckpt.latest_checkpoint(self.ckpt_root) or ""),
+            }
+        )
+        return final
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+    def _setup_models(self) -> None:
+        """Engine (its own model copy) + the trainer's actor."""
+        cfg = self.config
+        from areal_env.engine.models import resolve_model_path
+        from areal_env.trainer.actor import PPOActor
+
+        model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+        if self.engine is None:
+            if importlib.util.find_spec("areal_env.engine.factory") is not None:
+                from areal_env.engine.factory import create_engine
+
+                engine_cfg = cfg
+                if cfg.model.path != model_path:
+                    engine_cfg = dataclasses.replace(
+                        cfg, model=dataclasses.replace(cfg.model, path=model_path)
+                    )
+                self.engine = create_engine(engine_cfg)
+            else:  # pragma: no cover - the factory ships with the engine package
+                from areal_env.engine.local import LocalEngine
+
+                self.engine = LocalEngine.from_config(
+                    dataclasses.replace(cfg.model, path=model_path), cfg.engine
+                )
+            self.engine.initialize()
+        self.tokenizer = getattr(self.engine, "tokenizer", None)
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.actor = PPOActor(
+            model_path,
+            cfg.actor,
+            cfg.model,
+            temperature=cfg.gconfig.temperature,
+            seed=cfg.seed,
+        )
+
+    def _maybe_recover(self) -> bool:
+        """``trainer.recover: auto``: restore the latest checkpoint and push it to the engine."""
+        if self.config.trainer.recover != "auto":
+            return False
+        found = ckpt.latest_checkpoint(self.ckpt_root)
+        if found is None:
+            return False
+        state = ckpt.restore_checkpoint(
+            found, model=self.actor.model, optimizer=self.actor.optimizer
+        )
+        self.step = int(state["step"])
+        self.version = int(state.get("version", self.step))
+        self.data.load_state_dict(state["data"])
+        self.actor.update_count = int(state.get("update_count", self.step))
+        if self.version > 0:
+            self._push_weights(self.version)
+        logger.info(
+            "recovered from %s: step %d, version %d, data position epoch %d batch %d",
+            found,
+            self.step,
+            self.version,
+            self.data.epoch,
+            self.data.batch_index,
+        )
+        return True
+
+    def _drop_stale_dumps(self, keep_upto: int) -> None:
+        """Dumps of versions after the restored one (or all, on a fresh start) belong to steps
+        that will be redone: remove them so files are not appended twice."""
+        root = self.run_dir / "rollout"
+        if not root.is_dir():
+            return
+        for d in root.iterdir():
+            if d.is_dir() and (not d.name.isdigit() or int(d.name) > keep_upto):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _start_proxy(self) -> None:
+        from areal_env.proxy.server import ProxyServer
+
+        pcfg = self.config.proxy
+        if pcfg.initial_capacity is None:
+            # Sessions start only when the executor grants them (its staleness control).
+            pcfg = dataclasses.replace(pcfg, initial_capacity=0)
+        self.proxy = ProxyServer(self.engine, self.tokenizer, pcfg).start()
+        logger.info("proxy listening at %s", self.proxy.base_url)
+
+    async def _open_capacity_if_unmanaged(self) -> None:
+        """A workflow the executor does not grant sessions for still gets to use the proxy."""
+        if getattr(self.executor, "uses_proxy", True):
+            return
+        from areal_env.proxy.client import grant_capacity
+
+        await grant_capacity(self.proxy.base_url, self.proxy.admin_key, 1 << 30)
+
+    def _push_weights(self, new_version: int) -> None:
+        engine = self.engine
+        if getattr(engine, "supports_state_dict_update", False):
+            engine.update_weights(self.actor.model.state_dict())
+        else:
+            folder = self.run_dir / "weights" / f"v{new_version}"
+            if folder.exists():
+                shutil.rmtree(folder)
+            self.actor.model.save_pretrained(str(folder), safe_serialization=True)
+            self.tokenizer.save_pretrained(str(folder))
+            engine.update_weights(str(folder))
+            for old in (self.run_dir / "weights").glob("v*"):
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+        engine.set_version(new_version)
+
+    def _save_checkpoint(self) -> Path:
+        state = {
+            "version": self.version,
+            "epoch": self.data.epoch,
+            "data": getattr(self, "_data_state", self.data.state_dict()),
+            "update_count": self.actor.update_count,
+            "experiment_name": self.config.experiment_name,
+            "trial_name": self.config.trial_name,
+            "model_path": self.actor.model_path,
+        }
+        return ckpt.save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            model=self.actor.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.actor.optimizer,
+            trainer_state=state,
+            keep_last=2,
+        )
+
+    def _dump(self, records: list[dict[str, Any]], version: int) -> None:
+        """One line per completion (or per rejected episode) into rollout/{version}/{task}.jsonl."""
+        lines: list[dict[str, Any]] = []
+        for rec in records:
+            task = rec.get("task_id")
+            if task is None:  # the data loader gives every item an id; a workflow may not keep it
+                task = "unknown"
+            base = {
+                "task_id": task,
+                "version": rec.get("trainer_version", version),
+                "group_id": rec.get("group_id"),
+                "traj_index": rec.get("traj_index"),
+                "session_id": rec.get("session_id"),
+                "accepted": rec.get("accepted"),
+                "reason": rec.get("reason"),
+                "episode_reward": rec.get("reward"),
+            }
+            interactions = rec.get("interactions") or []
+            if not interactions:
+                lines.append({**base, "error": rec.get("error")})
+                continue
+            for it in interactions:
+                lines.append(
+                    {
+                        **base,
+                        "interaction_id": it.get("id"),
+                        "parent_id": it.get("parent_id"),
+                        "prompt": it.get("prompt_text"),
+                        "completion": it.get("completion_text"),
+                        "reward": it.get("reward"),
+                        "stop_reason": it.get("stop_reason"),
+                        "prompt_len": it.get("num_prompt_tokens"),
+                        "completion_len": it.get("num_output_tokens"),
+                        "versions": it.get("versions"),
+                    }
+                )
+        try:
+            dump_records(self.run_dir / "rollout", lines)
+        except OSError as e:  # a full disk must not stop training
+            logger.warning("trajectory dump failed: %s", e)
+
+    async def _evaluate(self, executor: Any) -> dict[str, float]:
+        items = [
+            it
+            if any(it.get(k) is not None for k in ("id", "task_id", "query_id"))
+            else {**it, "task_id": f"valid-{i}"}
+            for i, it in enumerate(self.valid_items or [])
+        ]
+        _, stats = await executor.rollout_batch(items, trainer_version=self.version)
+        return {f"eval/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}

@@ -63,15 +63,31 @@ def reward(
     tool_calls: list | None = None,
     **_: Any,
 ) -> dict:
-    """1.0 for a correct final number; 0.2 for no correct answer but a tool call that succeeded.
+    """Graded so that a weak model gets a signal at every step towards the right answer.
 
-    ``task`` is the dataset item (it carries ``answer``); ``tool_calls`` lists the calls the agent
-    made as ``{"name", "arguments", "is_error"}``.
+    1.0: the last number in the final answer is the expected answer;
+    0.5: not that, but a tool call returned the expected answer (right tool, right arguments);
+    0.1: not that, but at least one tool call succeeded (a well-formed call);
+    0.0: otherwise.
+
+    ``task`` is the dataset item (it carries ``answer``); ``tool_calls`` lists the agent's calls
+    as ``{"name", "arguments", "is_error", "result"}``.
     """
     task = task or {}
     expected = float(task.get("answer", "nan"))
+    calls = [c for c in (tool_calls or []) if isinstance(c, dict)]
+    ok_calls = [c for c in calls if not c.get("is_error", False)]
+
+    def matches(value: float | None) -> bool:
+        return value is not None and math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-6)
+
     got = last_number(final_answer)
-    correct = got is not None and math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
-    used_tool = any(not c.get("is_error", False) for c in (tool_calls or []))
-    score = 1.0 if correct else (0.2 if used_tool else 0.0)
-    return {"reward": score, "correct": correct, "parsed": got}
+    if matches(got):
+        score = 1.0
+    elif any(matches(last_number(str(c.get("result", "")))) for c in ok_calls):
+        score = 0.5
+    elif ok_calls:
+        score = 0.1
+    else:
+        score = 0.0
+    return {"reward": score, "correct": matches(got), "parsed": got}

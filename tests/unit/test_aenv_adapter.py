@@ -130,9 +130,23 @@ async def test_reward_plumbing(aenv_config, counter_server):
         )
         assert out["correct"] is True and reward_value(out) == 1.0
         partial = await env.call_reward(
-            {"final_answer": "13", "task": {"answer": 12}, "tool_calls": [{"name": "add"}]}
+            {
+                "final_answer": "13",
+                "task": {"answer": 12},
+                "tool_calls": [{"name": "add", "is_error": False, "result": "12"}],
+            }
         )
-        assert reward_value(partial) == pytest.approx(0.2)
+        assert reward_value(partial) == pytest.approx(0.5)
+        valid_call = {"name": "add", "is_error": False, "result": "11"}
+        out = await env.call_reward(
+            {"final_answer": "no idea", "task": {"answer": 12}, "tool_calls": [valid_call]}
+        )
+        assert reward_value(out) == pytest.approx(0.1)
+        failed_call = {"name": "add", "is_error": True, "result": "Error: x"}
+        out = await env.call_reward(
+            {"final_answer": "", "task": {"answer": 12}, "tool_calls": [failed_call]}
+        )
+        assert reward_value(out) == 0.0
     async with AenvEnvironmentAdapter(_cfg(counter_server)) as env:
         assert reward_value(await env.call_reward({"value": 0.75})) == 0.75
         with pytest.raises(AenvCallError, match=r"(?s)reward.*1 attempt.*negative reward"):

@@ -189,7 +189,7 @@ async def run_training(
     """
     from areal_env.engine.models import resolve_model_path
     from areal_env.trainer.actor import PPOActor
-    from areal_env.trainer.stats import MetricsLogger, plot_reward_curve
+    from areal_env.trainer.stats import MetricsLogger, dump_records, plot_reward_curve
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +220,8 @@ async def run_training(
                 metrics["actor/update_skipped"] = 1.0
             else:
                 metrics.update(await asyncio.to_thread(actor.update, batch, step=step))
+            if cfg.rollout.dump_to_file and source.last_episodes:
+                dump_records(run_dir / "rollout", _episode_records(source.last_episodes, version))
             if not metrics.get("actor/update_skipped"):  # as PPOTrainer: no signal, no push
                 await asyncio.to_thread(_push_weights, engine, actor, run_dir, step)
                 version += 1
@@ -246,6 +248,20 @@ async def run_training(
             await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
         metrics_logger.close()
     return {"steps": step, "version": version, **last}
+
+
+def _episode_records(episodes: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
+    """One dump line per finished session (no token ids: the tensors are in the batch)."""
+    keep = ("session_id", "group_id", "group_key", "task_id", "user", "final_reward", "metadata")
+    out = []
+    for ep in episodes:
+        rec = {k: ep.get(k) for k in keep}
+        rec["task_id"] = ep.get("task_id") or ep.get("group_key") or "external"
+        rec["version"] = version
+        rec["interactions"] = ep.get("interactions", [])
+        rec["stats"] = ep.get("stats", {})
+        out.append(rec)
+    return out
 
 
 def _save(actor: Any, tokenizer: Any, run_dir: Path, step: int, version: int) -> Path:

@@ -106,6 +106,17 @@ def test_two_agent_processes_train_the_service_then_the_checkpoint_is_served(tmp
         assert m["groups/accepted"] == 2 and m["episodes/accepted"] == 4
         assert m["groups/incomplete"] == 0
     assert (run_dir / "checkpoints" / "step_2" / "model" / "config.json").is_file()
+    dumped = [
+        json.loads(x)
+        for f in (run_dir / "rollout").rglob("*.jsonl")
+        for x in f.read_text().splitlines()
+    ]
+    users_by_group: dict[str, set[str]] = {}
+    for rec in dumped:
+        users_by_group.setdefault(rec["group_id"], set()).add(rec["user"])
+        assert rec["interactions"] and rec["interactions"][-1]["reward"] in (0.0, 1.0)
+    assert len(users_by_group) == 4  # shared-0 .. shared-3
+    assert all(len(users) == 2 for users in users_by_group.values())  # one per agent process
 
     # The trained checkpoint is served through the same OpenAI-compatible API.
     from areal_env.service.inference import serve_checkpoint

@@ -1,7 +1,8 @@
 """``ServiceConfig``: the any-agent training service (gateway, auth, backends, trajectory export).
 
 Kept apart from ``areal_env.api.config`` so the service can evolve on its own; the experiment
-config attaches it as its ``service:`` section. Plain dataclass, loaded by the same loader
+config attaches it as its ``service:`` section (this module imports nothing from
+``areal_env.api.config`` at import time, so that module can import ``ServiceConfig``). Plain dataclass, loaded by the same loader
 (``config_from_dict(ServiceConfig, {...})``).
 """
 
@@ -11,8 +12,6 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-
-from areal_env.api.config import ConfigError
 
 
 def is_loopback(host: str) -> bool:
@@ -69,6 +68,9 @@ class ServiceConfig:
     ssl_certfile: str | None = None
 
     def validate(self) -> None:
+        # Imported here so that ``areal_env.api.config`` may import this module (no cycle).
+        from areal_env.api.config import ConfigError
+
         if not (0 <= self.port < 65536):
             raise ConfigError(f"service.port={self.port!r} must be in [0, 65535]")
         if self.max_sessions_per_key < 1:

@@ -346,3 +346,39 @@ async def test_admission_control_waits_for_the_trainer(engine, tokenizer):
         stack.gateway.stop()
         for p in stack.proxies:
             p.stop()
+
+
+async def test_backend_that_comes_back_rejoins_the_rotation(engine, tokenizer):
+    from areal_env.api.config import ProxyConfig
+    from areal_env.proxy.server import ProxyServer
+
+    stack = make_service_stack(engine, tokenizer)
+    revived = None
+    try:
+        gone = stack.proxies[0]
+        port, admin_key = gone.port, gone.admin_key
+        gone.stop()
+        pool = stack.gateway.gateway.pool
+        for _ in range(100):
+            if len(pool.healthy()) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert [b.base_url for b in pool.healthy()] == [stack.proxies[1].base_url]
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as h:
+            r = await h.post("/rl/v1/sessions", headers=bearer(ALICE))
+            assert stack.backend_of(r.json()["session_id"]) == 1
+            revived = ProxyServer(
+                engine, tokenizer, ProxyConfig(port=port, admin_key=admin_key)
+            ).start()
+            for _ in range(100):
+                if len(pool.healthy()) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(pool.healthy()) == 2
+            r = await h.post("/rl/v1/sessions", headers=bearer(ALICE))  # least loaded: proxy 0
+            assert stack.backend_of(r.json()["session_id"]) == 0
+    finally:
+        stack.gateway.stop()
+        for p in [*stack.proxies, revived]:
+            if p is not None:
+                p.stop()

@@ -253,7 +253,7 @@ class PPOTrainer:
                         self.version += 1
                         self.executor.set_version(self.version)
                 if cfg.rollout.dump_to_file and records:
-                    self._dump(records, dumped_version)
+                    self._dump(records, dumped_version, self.step + 1)
                 self.step += 1
                 # Position after this step; in prefetch mode the batch drawn ahead is not counted.
                 self._data_state = data_state
@@ -266,7 +266,8 @@ class PPOTrainer:
                 step_s = time.perf_counter() - t_step
                 metrics["time/step_s"] = step_s
                 metrics["version"] = self.version
-                metrics["epoch"] = self.data.epoch
+                metrics["data/epoch"] = data_state["epoch"]
+                metrics["data/batch_index"] = data_state["batch_index"]
                 if metrics.get("tokens/total"):
                     metrics["perf/tokens_per_s"] = metrics["tokens/total"] / step_s
                 self.metrics.log(self.step, metrics)
@@ -416,10 +417,11 @@ class PPOTrainer:
         engine.set_version(new_version)
 
     def _save_checkpoint(self) -> Path:
+        data_state = getattr(self, "_data_state", None) or self.data.state_dict()
         state = {
             "version": self.version,
-            "epoch": self.data.epoch,
-            "data": getattr(self, "_data_state", self.data.state_dict()),
+            "epoch": data_state["epoch"],
+            "data": data_state,
             "update_count": self.actor.update_count,
             "experiment_name": self.config.experiment_name,
             "trial_name": self.config.trial_name,
@@ -435,7 +437,7 @@ class PPOTrainer:
             keep_last=2,
         )
 
-    def _dump(self, records: list[dict[str, Any]], version: int) -> None:
+    def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:
         """One line per completion (or per rejected episode) into rollout/{version}/{task}.jsonl."""
         lines: list[dict[str, Any]] = []
         for rec in records:
@@ -445,6 +447,7 @@ class PPOTrainer:
             base = {
                 "task_id": task,
                 "version": rec.get("trainer_version", version),
+                "step": step,
                 "group_id": rec.get("group_id"),
                 "traj_index": rec.get("traj_index"),
                 "session_id": rec.get("session_id"),

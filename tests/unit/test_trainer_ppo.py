@@ -1,0 +1,212 @@
+"""The training loop end to end (real engine, proxy, workflow, model): output files, checkpoint →
+kill -9 → resume, and a learning run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_env.trainer.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[2]
+
+# An agent with a reward that varies within a group (so updates happen): the parity of the reply's
+# length. Written to a file and loaded by path, like a user's agent.
+AGENT = """
+from openai import AsyncOpenAI
+
+class ParityAgent:
+    async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        r = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": data["prompt"]}],
+            max_tokens=6, temperature=1.0)
+        return float(len(r.choices[0].message.content or "") % 2)
+"""
+
+DATA = [{"id": f"t{i}", "prompt": f"Say something about the number {i}."} for i in range(6)]
+
+
+def _write_run(tmp_path: Path, steps: int) -> Path:
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in DATA))
+    cfg = {
+        "experiment_name": "resume",
+        "trial_name": "t",
+        "fileroot": str(tmp_path / "out"),
+        "seed": 7,
+        "rollout": {"batch_size": 2, "n_samples": 2},
+        "gconfig": {"max_new_tokens": 6},
+        "actor": {"ppo_n_minibatches": 1},
+        "trainer": {
+            "total_train_steps": steps,
+            "save_freq_steps": 1,
+            "recover": "auto",
+            "progress": False,
+        },
+        "workflow": "agent.py:ParityAgent",
+        "train_dataset": "data.jsonl",
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train_cmd(config: Path) -> list[str]:
+    return [sys.executable, "-m", "areal_env.cli", "train", str(config)]
+
+
+@pytest.mark.slow
+def test_checkpoint_kill_resume_and_outputs(tmp_path):
+    steps = 3
+    config = _write_run(tmp_path, steps)
+    run_dir = tmp_path / "out" / "resume" / "t"
+    ckpts = run_dir / "checkpoints"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log1 = (tmp_path / "run1.log").open("w")
+    # cwd elsewhere: the CLI finds agent.py / data.jsonl next to the config
+    p = subprocess.Popen(_train_cmd(config), cwd=REPO, env=env, stdout=log1, stderr=log1)
+    try:
+        deadline = time.monotonic() + 400
+        while not (ckpts / "step_1" / "trainer_state.json").is_file():
+            assert p.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 400 s"
+            time.sleep(0.5)
+        p.send_signal(signal.SIGKILL)  # a hard kill, no cleanup
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    saved = json.loads((latest / "trainer_state.json").read_text())
+    assert saved["step"] >= 1 and saved["step"] < steps
+    assert saved["data"]["batch_index"] == saved["step"]  # 3 batches per epoch, no wrap yet
+
+    out = subprocess.run(
+        _train_cmd(config), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"recovered from {latest}" in out.stderr
+    assert f"step {saved['step']}, version {saved['version']}" in out.stderr
+
+    # the step counter continued: each step logged exactly once
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # the data position continued: the items of every step are those of an uninterrupted run
+    expected = DataLoader(DATA, 2, seed=7)
+    expected_ids = [sorted(x["id"] for x in expected.next_batch()) for _ in range(steps)]
+    seen: dict[int, set[str]] = {}
+    for f in (run_dir / "rollout").glob("*/*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            seen.setdefault(rec["step"], set()).add(rec["task_id"])
+            for key in ("prompt", "completion", "reward", "versions", "completion_len"):
+                assert key in rec
+    assert [sorted(seen[s]) for s in range(1, steps + 1)] == expected_ids
+    assert [r["data/batch_index"] for r in records] == [1, 2, 3]
+
+    # output files and metric keys
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "episodes/rejected",
+        "groups/zero_variance",
+        "tool_parse_failures",
+        "actor/update_skipped",
+        "staleness/mean",
+        "time/step_s",
+        "time/rollout_s",
+        "version",
+    ):
+        assert key in records[-1], key
+    updated = [r for r in records if r.get("actor/update_skipped") == 0.0]
+    for r in updated:
+        for key in (
+            "actor/loss",
+            "actor/clip_frac",
+            "actor/approx_kl",
+            "actor/entropy",
+            "actor/grad_norm",
+            "perf/train_tokens_per_s",
+        ):
+            assert key in r, key
+    assert (run_dir / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (ckpts / "latest").read_text().strip() == f"step_{steps}"
+    final_state = json.loads((ckpts / f"step_{steps}" / "trainer_state.json").read_text())
+    assert final_state["step"] == steps
+    assert final_state["version"] == sum(1 for r in records if r.get("actor/update_skipped") == 0.0)
+    assert (ckpts / f"step_{steps}" / "model" / "config.json").is_file()
+    assert '"reward_plot"' in out.stdout
+
+
+SHORT_PROMPTS = [
+    "Tell me about the ocean.",
+    "Describe your favourite food.",
+    "What do you think about music?",
+    "Explain how trains work.",
+    "Tell me about the moon.",
+    "Describe a walk in the forest.",
+    "What is interesting about cats?",
+    "Explain why people like books.",
+    "Tell me about mountains.",
+    "Describe a rainy day.",
+    "What makes a good friend?",
+    "Explain what computers do.",
+    "Tell me about the city at night.",
+    "Describe the taste of coffee.",
+    "What do birds do in winter?",
+    "Explain how plants grow.",
+]
+
+
+@pytest.mark.slow
+def test_learns_a_short_reply_target(tmp_path):
+    """Format target (reply of at most 5 words): the reward over the last steps clearly beats the
+    first steps. Proves the loop learns (not that answers get better: see the demo's task)."""
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    steps = 8
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=learn",
+            "seed=3",
+            "rollout.batch_size=4",
+            "rollout.n_samples=8",
+            "gconfig.max_new_tokens=24",
+            "actor.lr=3e-5",
+            "actor.ppo_n_minibatches=2",
+            f"trainer.total_train_steps={steps}",
+            "trainer.tensorboard=false",
+            "trainer.recover=off",
+            "rollout.dump_to_file=false",
+        ],
+    )
+    data = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(SHORT_PROMPTS)]
+    t0 = time.monotonic()
+    with PPOTrainer(cfg, data) as trainer:
+        final = trainer.train(
+            workflow=str(REPO / "examples/demo/agent.py") + ":ShortReplyAgent",
+            workflow_kwargs={"max_tokens": 24, "max_words": 5},
+        )
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    print(
+        f"\nlearning test: reward per step {[round(x, 3) for x in rewards]}; "
+        f"first 2 steps {first:.3f} -> last 2 steps {last:.3f} "
+        f"({time.monotonic() - t0:.0f} s)"
+    )
+    assert last >= first + 0.25, (first, last, rewards)

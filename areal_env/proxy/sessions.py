@@ -197,7 +197,10 @@ class SessionRegistry:
         with self._lock:
             for sid, s in list(self._by_id.items()):
                 limit = self.ended_ttl if s.ended else self.ttl
-                if s.in_flight == 0 and now - s.last_active > limit:
+                idle = now - s.last_active
+                # A request in flight keeps a session alive, but not forever: a stream whose
+                # client vanished before it started may never decrement the counter.
+                if idle > limit and (s.in_flight == 0 or idle > 4 * self.ttl):
                     del self._by_id[sid]
                     self._by_key.pop(s.key_digest, None)
                     self._expired[s.key_digest] = sid

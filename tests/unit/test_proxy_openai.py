@@ -138,7 +138,7 @@ def test_streaming_with_usage(proxy_server):
     assert streamed.strip() and streamed.strip() in info["completion_text"]
 
 
-def test_streaming_then_extending_splices(proxy_server):
+def test_streaming_then_extending_splices(proxy_server, engine):
     """A streamed reply echoed back as history is found as the parent."""
     sid, key = open_session(proxy_server)
     client = _client(proxy_server, key)
@@ -161,6 +161,17 @@ def test_streaming_then_extending_splices(proxy_server):
     data = export_session(proxy_server, sid)
     second = next(i for i in data["interactions"] if i["id"] == r2.id)
     assert second["parent_id"] == chunks[0].id and second["spliced"]
+    # prompt 2 = prompt 1 + output 1 (exact ids) + end-of-turn glue + the new user turn only
+    row1, row2 = data["trajectories"][chunks[0].id], data["trajectories"][r2.id]
+    n1 = len(row1["input_ids"])
+    out1 = row1["input_ids"][-sum(row1["loss_mask"]) :]
+    renderer = proxy_server.state.renderer
+    new_turn = engine.tokenizer.encode(
+        "<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    prompt2 = row2["input_ids"][: second["num_prompt_tokens"]]
+    assert prompt2 == row1["input_ids"] + renderer.glue_ids(out1) + new_turn
+    assert len(prompt2) > n1
 
 
 def test_logprobs(proxy_server):

@@ -3,11 +3,15 @@
 RL needs ``logprob(token)`` under exactly the distribution the token was drawn from (temperature,
 top-k and top-p applied to the RAW logits), so the trainer's importance ratios start at 1. Rows of
 one batch may use different settings; each row draws from its own ``torch.Generator`` so a seeded
-request gives the same tokens whatever else shares the batch.
+request gives the same tokens whatever else shares the batch. Each row's randomness is one
+uniform number from its own ``random.Random`` per step, and all rows are drawn at once by
+inverse-CDF (``searchsorted`` on the cumulative distribution): one vectorised op per step instead of
+one ``multinomial`` call per row, which matters on small, busy CPUs.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +25,7 @@ class RowSampling:
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator | None
+    rng: random.Random | None  # None for greedy rows
 
 
 def sampling_log_probs(
@@ -72,13 +76,17 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
         [1.0 if r.greedy else r.top_p for r in rows], dtype=torch.float64, device=device
     )
     logp = sampling_log_probs(logits, temp, top_k, top_p)
-    tokens: list[int] = []
-    sampled_rows = [i for i, r in enumerate(rows) if not r.greedy]
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
-    if sampled_rows:
-        probs = logp.exp()
-        for i in sampled_rows:
-            chosen[i] = torch.multinomial(probs[i], 1, generator=rows[i].generator)[0]
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, dtype=torch.long, device=device)
+        cdf = logp.index_select(0, idx).exp().double().cumsum(dim=-1)
+        u = torch.tensor(
+            [rows[i].rng.random() for i in sampled],  # type: ignore[union-attr]
+            dtype=torch.float64,
+            device=device,
+        )
+        draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        chosen.index_copy_(0, idx, draw.clamp_(max=logp.shape[-1] - 1))
     token_logp = logp.gather(1, chosen[:, None])[:, 0]
-    tokens = chosen.tolist()
-    return tokens, token_logp.tolist()
+    return chosen.tolist(), token_logp.tolist()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
+_MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bounds decode stalls)
+_LOG_EVERY_S = 30.0  # progress log interval while busy
 
 
 @dataclass
@@ -102,6 +105,7 @@ class LocalEngine:
         self._holders = 0  # callers waiting to act at a step boundary (weight updates)
         self._in_step = False
         self._version = 0
+        self._log_at, self._log_tokens = 0.0, 0
         self._stats = {
             "requests": 0,
             "finished": 0,
@@ -297,7 +301,7 @@ class LocalEngine:
         """Counters: requests, tokens generated, decode steps, mean/max batch size, queue."""
         with self._cv:
             s: dict[str, float] = dict(self._stats)
-            s["running"] = len(self._running)
+            s["running"] = len(self._live) - len(self._pending)  # incl. being prefilled
             s["queued"] = len(self._pending)
             s["version"] = self._version
         steps = s["decode_steps"]
@@ -400,12 +404,9 @@ class LocalEngine:
         g = req.gconfig
         stop_ids = set() if g.ignore_eos else set(self.eos_token_ids) | set(g.stop_token_ids or [])
         stop_strs = list(g.stop or [])
-        gen = None
+        rng = None
         if not g.is_greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(
-                g.seed if g.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            )
+            rng = random.Random(g.seed if g.seed is not None else int.from_bytes(os.urandom(8)))
         r = _Request(
             req=req,
             deliver=deliver,
@@ -420,7 +421,7 @@ class LocalEngine:
                 temperature=float(g.temperature),
                 top_k=int(g.top_k),
                 top_p=float(g.top_p),
-                generator=gen,
+                rng=rng,
             ),
         )
         with self._cv:
@@ -437,8 +438,29 @@ class LocalEngine:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ worker
+    def _log_progress(self) -> None:
+        now = time.perf_counter()
+        s = self._stats
+        if not (self._running or self._pending):  # going idle: restart the window
+            self._log_at, self._log_tokens = now, s["tokens_generated"]
+            return
+        if now - self._log_at < _LOG_EVERY_S:
+            return
+        tokens = s["tokens_generated"] - self._log_tokens
+        if tokens:
+            logger.info(
+                "generating: %.1f tok/s over %.0fs, batch %d, queued %d, version %d",
+                tokens / (now - self._log_at),
+                now - self._log_at,
+                len(self._running),
+                len(self._pending),
+                self._version,
+            )
+        self._log_at, self._log_tokens = now, s["tokens_generated"]
+
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
+        self._log_at, self._log_tokens = time.perf_counter(), 0
         while True:
             with self._cv:
                 while not self._stopping and (
@@ -452,6 +474,7 @@ class LocalEngine:
             try:
                 with torch.inference_mode():
                     self._step(admit)
+                self._log_progress()
             except Exception as exc:  # keep serving: fail only the requests of this batch
                 logger.exception("generation step failed; failing %d requests", len(self._running))
                 for r in self._running + admit:
@@ -470,8 +493,13 @@ class LocalEngine:
         """Requests to prefill now (caller holds the lock); drops cancelled ones."""
         admit: list[_Request] = []
         room = self.max_batch_size - len(self._running)
+        longest = 0
         while self._pending and len(admit) < room:
-            r = self._pending.popleft()
+            r = self._pending[0]
+            n_in = len(r.req.input_ids)
+            if admit and (len(admit) + 1) * max(longest, n_in) > _MAX_PREFILL_TOKENS:
+                break  # the rest joins at the next step boundary
+            self._pending.popleft()
             if r.cancelled:
                 self._finish(r, "cancel")
                 continue
@@ -479,6 +507,7 @@ class LocalEngine:
                 self._finish(r, "abort")
                 continue
             admit.append(r)
+            longest = max(longest, n_in)
         return admit
 
     def _step(self, admit: list[_Request]) -> None:

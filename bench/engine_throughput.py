@@ -1,0 +1,159 @@
+"""Throughput of LocalEngine's continuous batching vs one-by-one ``model.generate``.
+
+The same requests (chat prompts of different lengths, sampling at T=1, ``ignore_eos`` so every
+completion has exactly ``--new-tokens`` tokens) run twice in the same process on the same model
+object and the same torch threads: all at once through ``LocalEngine`` (8 and then 32 concurrent
+requests), and one after another with transformers' ``model.generate``. Baseline and engine runs
+are interleaved so that load changes on a shared machine hit both sides.
+
+The last line of output is one JSON object, e.g.
+``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import torch
+
+from areal_env.api.io import GenerationConfig, ModelRequest
+from areal_env.engine.local import LocalEngine
+from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
+
+TOPICS = [
+    "the sea",
+    "a small red fox who lives at the edge of a forest",
+    "rain",
+    "why the sky looks blue during the day and orange at sunset",
+    "bread",
+    "a robot that learns to paint, told from the point of view of its first canvas",
+    "mountains",
+    "the history of the bicycle and how it changed cities",
+]
+
+
+def build_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        text = f"Write a short story about {TOPICS[i % len(TOPICS)]}." + " Be vivid." * (i % 5)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        prompts.append(list(ids))
+    return prompts
+
+
+async def engine_run(engine: LocalEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    g = dict(max_new_tokens=new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+    reqs = [ModelRequest(p, GenerationConfig(seed=i, **g)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+    elapsed = time.perf_counter() - t0
+    assert all(len(r.output_tokens) == new_tokens for r in resps), "unequal lengths"
+    return elapsed
+
+
+def hf_one_by_one(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[float]:
+    times = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device=model.device)
+        torch.manual_seed(i)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+            )
+        times.append(time.perf_counter() - t0)
+        assert out.shape[1] - ids.shape[1] == new_tokens, "unequal lengths"
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=None,
+        help="time only this many one-by-one requests per size and scale up (default: all)",
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke test: 8 new tokens, 4 baseline")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.new_tokens = 8
+        args.baseline_requests = args.baseline_requests or 4
+
+    engine = LocalEngine(str(resolve_model_path(args.model)), max_batch_size=32)
+    engine.num_threads = args.threads
+    engine.initialize()
+    try:
+        model, tok = engine.model, engine.tokenizer
+        prompts = build_prompts(tok, 32)
+        pad_id = engine.eos_token_ids[0]
+        print(
+            f"model {os.path.basename(engine.model_path)}, {torch.get_num_threads()} torch threads, "
+            f"{args.new_tokens} new tokens per request, prompt lengths "
+            f"{min(map(len, prompts))}-{max(map(len, prompts))}",
+            flush=True,
+        )
+        # warm-up both paths (allocator, oneDNN kernels)
+        asyncio.run(engine_run(engine, prompts[:2], 4))
+        hf_one_by_one(model, prompts[:1], 4, pad_id)
+
+        result: dict[str, float] = {}
+        done_baseline: list[float] = []
+        for n in (8, 32):
+            load = os.getloadavg()[0]
+            t_engine = asyncio.run(engine_run(engine, prompts[:n], args.new_tokens))
+            todo = prompts[len(done_baseline) : n]
+            if args.baseline_requests is not None:
+                todo = todo[: max(1, args.baseline_requests - len(done_baseline))]
+            if todo:
+                done_baseline += hf_one_by_one(model, todo, args.new_tokens, pad_id)
+            measured = done_baseline[:n]
+            t_base = sum(measured) / len(measured) * n  # scaled up when only a subset was timed
+            tokens = n * args.new_tokens
+            speedup = t_base / t_engine
+            print(
+                f"n={n:2d}: LocalEngine {t_engine:7.2f}s ({tokens / t_engine:6.1f} tok/s) | "
+                f"one-by-one generate {t_base:7.2f}s ({tokens / t_base:5.1f} tok/s, "
+                f"{len(measured)} timed) | speedup {speedup:.2f}x | load avg {load:.1f}",
+                flush=True,
+            )
+            result[f"speedup_{n}"] = round(speedup, 2)
+            result[f"tok_s_{n}"] = round(tokens / t_engine, 1)
+        result["baseline_tok_s"] = round(
+            len(done_baseline) * args.new_tokens / sum(done_baseline), 1
+        )
+        stats = engine.stats()
+        print(
+            f"engine stats: {int(stats['decode_steps'])} decode steps, mean batch "
+            f"{stats['mean_batch_size']:.1f}, max batch {int(stats['max_batch_size_seen'])}",
+            flush=True,
+        )
+    finally:
+        engine.destroy()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

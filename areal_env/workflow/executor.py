@@ -271,6 +271,8 @@ class RolloutExecutor:
             while self._has_input() and self._can_start():
                 item = self._next_item()
                 if item is _NOTHING:
+                    assert self._progress is not None
+                    self._progress.set()  # the input ran out: next_batch may be waiting for it
                     break
                 self._running += 1
                 self.peak_running_groups = max(self.peak_running_groups, self._running)

@@ -261,3 +261,20 @@ async def test_prefetch_replaces_rejected_groups_and_detects_deadlock():
     batch, stats = await ex.next_batch()  # input runs out: a partial batch
     assert stats["groups/accepted"] == 0 and batch is None and stats["episodes/rejected"] == 1
     await ex.aclose()
+
+
+async def test_feed_exhaustion_gives_a_partial_batch():
+    eng = VersionedWeights(0)
+    rollout = RolloutConfig(n_samples=1, batch_size=2, max_head_offpolicyness=1)
+    inner = ScriptedWorkflow(eng, [1.0], delay=0)
+    ex = RolloutExecutor(eng, inner, rollout, show_progress=False)
+    ex.feed({"id": i} for i in range(3))
+    batch, stats = await asyncio.wait_for(ex.next_batch(trainer_version=0), 10)
+    assert stats["groups/accepted"] == 2
+    ex.set_version(1)
+    eng.set_version(1)
+    batch, stats = await asyncio.wait_for(ex.next_batch(), 10)
+    assert stats["groups/accepted"] == 1  # the input ran out: a partial batch, no hang
+    batch, stats = await asyncio.wait_for(ex.next_batch(), 10)
+    assert batch is None and stats["groups/accepted"] == 0
+    await ex.aclose()

@@ -115,13 +115,13 @@ async def test_dict_reward_by_completion_id_and_discount(proxy_server, engine):
 @pytest.mark.parametrize(
     "agent,reason",
     [
-        (ReturnAgent("1.0"), "bad_reward"),
-        (ReturnAgent(True), "bad_reward"),
-        (ReturnAgent(None), "bad_reward"),
-        (ReturnAgent(math.nan), "bad_reward"),
-        (ReturnAgent(math.inf), "bad_reward"),
-        (ReturnAgent({}), "bad_reward"),
-        (ReturnAgent([1.0]), "bad_reward"),
+        (ReturnAgent("1.0", calls=0), "bad_reward"),
+        (ReturnAgent(True, calls=0), "bad_reward"),
+        (ReturnAgent(None, calls=0), "bad_reward"),
+        (ReturnAgent(math.nan, calls=0), "bad_reward"),
+        (ReturnAgent(math.inf, calls=0), "bad_reward"),
+        (ReturnAgent({}, calls=0), "bad_reward"),
+        (ReturnAgent([1.0], calls=0), "bad_reward"),
         (ReturnAgent({"chatcmpl-unknown": 1.0}), "bad_reward"),
         (ReturnAgent(lambda ids: {ids[0]: "high"}), "bad_reward"),
         (RaisingAgent(), "agent_error"),
@@ -138,16 +138,20 @@ async def test_rejections_are_counted_never_raised(proxy_server, engine, agent, 
     await wf.aclose()
 
 
+class EarlyRaisingAgent:
+    async def run(self, data):
+        raise ValueError("failed before any model call")
+
+
 async def test_traceback_logged_once_per_distinct_error(proxy_server, engine, caplog):
-    wf = _wf(proxy_server, RaisingAgent())
+    wf = _wf(proxy_server, EarlyRaisingAgent())
     with caplog.at_level(logging.WARNING, logger="areal_env.workflow.proxy_workflow"):
         for _ in range(3):
             assert await wf.arun_episode(engine, {"q": "x"}) is None
-    logged = [r for r in caplog.records if "the tool exploded" in r.getMessage()]
-    assert len(logged) <= 1  # earlier tests in the session may already have logged it
+    logged = [r for r in caplog.records if "failed before any model call" in r.getMessage()]
+    assert len(logged) == 1
     assert wf.stats["rejected/agent_error"] == 3
-    if logged:
-        assert "Traceback" in logged[0].getMessage()
+    assert "Traceback" in logged[0].getMessage()
     await wf.aclose()
 
 

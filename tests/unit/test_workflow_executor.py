@@ -10,6 +10,8 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areal_env.api.config import RolloutConfig
 from areal_env.api.workflow import RolloutWorkflow
@@ -278,3 +280,57 @@ async def test_feed_exhaustion_gives_a_partial_batch():
     batch, stats = await asyncio.wait_for(ex.next_batch(), 10)
     assert batch is None and stats["groups/accepted"] == 0
     await ex.aclose()
+
+
+async def test_workflows_may_return_rows_or_interactions():
+    from areal_env.proxy.cache import Interaction
+    from areal_env.workflow.grouped import normalize_episode_output
+
+    it = Interaction(
+        id="c1",
+        session_id="s",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=None,
+        output_message={"role": "assistant", "content": "yo"},
+        prompt_ids=[5, 6, 7],
+        output_ids=[8, 9],
+        output_logprobs=[-0.1, -0.2],
+        output_versions=[3, 3],
+        stop_reason="stop",
+        reward=0.5,
+    )
+    td = normalize_episode_output({"c1": it})
+    assert td["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert td["loss_mask"].tolist() == [[0, 0, 0, 1, 1]]
+    assert td["versions"].tolist() == [[-1, -1, -1, 3, 3]]
+    assert td["logprobs"][0, 3:].tolist() == pytest.approx([-0.1, -0.2])
+    assert td["rewards"].tolist() == [0.5]
+    td2 = normalize_episode_output(rows(1, 2, 1.0, 0))
+    assert td2["input_ids"].shape == (1, 3)
+    assert normalize_episode_output(None) is None and normalize_episode_output({}) is None
+    with pytest.raises(TypeError, match="expected"):
+        normalize_episode_output([1, 2])
+
+
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(0, 4), st.integers(1, 5)), min_size=1, max_size=5
+    )
+)
+@settings(max_examples=40, deadline=None)
+def test_concat_preserves_every_row(shapes):
+    parts = [rows_to_tensor_dict(rows(p, o, float(p), 1, n_rows=n)) for n, p, o in shapes]
+    td = concat_tensor_dicts(parts)
+    assert td["input_ids"].shape == (
+        sum(n for n, _, _ in shapes),
+        max(p + o for _, p, o in shapes),
+    )
+    i = 0
+    for (n, p, o), part in zip(shapes, parts, strict=True):
+        for r in range(n):
+            width = p + o
+            assert td["input_ids"][i, :width].tolist() == part["input_ids"][r].tolist()
+            assert not td["attention_mask"][i, width:].any()
+            assert (td["versions"][i, width:] == -1).all()
+            assert td["loss_mask"][i].sum() == o and td["rewards"][i] == float(p)
+            i += 1

@@ -151,6 +151,7 @@ async def test_spread_over_two_proxies_and_survive_one_dying(service_stack):
     assert service_stack.source.total_failed >= 2
 
 
+@pytest.mark.slow
 async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
     url = service_stack.base_url
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=BOB, max_retries=0)
@@ -200,6 +201,7 @@ def test_sync_session_with_sync_openai_client(service_stack):
     assert service_stack.gateway.gateway.sessions[s2.session_id].state == "failed"
 
 
+@pytest.mark.slow
 async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack):
     import anthropic
 

@@ -207,3 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal-env serve: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

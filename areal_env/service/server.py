@@ -340,3 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal-env serve-training: {e}", file=sys.stderr)
         return 2
     return asyncio.run(serve_training(cfg, service))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

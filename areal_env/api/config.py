@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from areal_env.api.io import GenerationConfig
+from areal_env.service.config import ServiceConfig
 
 T = TypeVar("T")
 
@@ -260,6 +261,8 @@ class ExperimentConfig:
     )
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    """The any-agent training service (``areal-env serve-training``)."""
     workflow: str | None = None
     """Import string of the agent/workflow (``pkg.mod:Attr`` or ``path.py:Attr``)."""
     workflow_kwargs: dict[str, Any] = field(default_factory=dict)

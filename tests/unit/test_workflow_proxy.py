@@ -279,3 +279,43 @@ async def test_executor_grants_capacity_to_a_managed_proxy(engine):
         assert batch["input_ids"].shape[0] == 4
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+async def test_prefetch_over_proxy_respects_staleness(proxy_server, engine):
+    """Background prefetch with k=1 on the real engine: output versions come from the engine,
+    and no consumed trajectory is more than one version old."""
+    rollout = RolloutConfig(
+        n_samples=1, batch_size=1, max_head_offpolicyness=1, max_concurrent_rollouts=2
+    )
+    wf = resolve_workflow(
+        ReturnAgent(1.0),
+        rollout=rollout,
+        proxy_base_url=proxy_server.base_url,
+        admin_key=proxy_server.admin_key,
+    )
+    ex = RolloutExecutor(
+        engine,
+        wf,
+        rollout,
+        proxy_base_url=proxy_server.base_url,
+        admin_key=proxy_server.admin_key,
+        show_progress=False,
+    )
+    v0 = engine.get_version()
+    try:
+        ex.feed({"q": f"Say {i}."} for i in range(10))
+        seen = []
+        for step in range(3):
+            batch, stats = await ex.next_batch(trainer_version=v0 + step)
+            assert batch is not None and stats["staleness/max"] <= 1
+            seen.append(stats["staleness/max"])
+            for e in ex.last_episodes:
+                assert e["start_version"] >= v0 + step - 1
+                assert e["min_version"] >= v0 + step - 1
+            engine.set_version(v0 + step + 1)
+            ex.set_version(v0 + step + 1)
+        assert ex.peak_running_groups <= 2
+    finally:
+        await ex.aclose()
+        engine.set_version(v0)

@@ -4,10 +4,12 @@ Both sides run the same LocalEngine code on the same model: one side in this pro
 behind ``areal-env serve`` (launched with the launcher, as in training), reached through
 ``SGLangEngine``. Each round sends the same ``--requests`` concurrent greedy requests
 (``ignore_eos``, so every request makes exactly ``--new-tokens`` tokens) to one side, then the
-other; sides alternate for ``--rounds`` rounds after a warm-up, and the ratio compares the
-median round times. Outputs are checked token for token.
+other; the order alternates for ``--rounds`` rounds after a warm-up, and the ratio is the
+median of the per-round ratios (robust to the load of a shared machine). Outputs are checked
+token for token. One torch thread per side by default (``--threads``), so the two sides do not
+fight over cores.
 
-    .venv/bin/python bench/sglang_protocol_overhead.py [--requests 16] [--new-tokens 48]
+    .venv/bin/python bench/sglang_protocol_overhead.py [--requests 16] [--new-tokens 32]
 
 Last line: one JSON object, ``{"http_overhead_ratio": ..., ...}`` (target <= 1.10).
 """
@@ -22,6 +24,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,9 +61,17 @@ async def run_round(engine, prompts: list[list[int]], new_tokens: int) -> tuple[
     return time.perf_counter() - t0, outs
 
 
+def decode_steps(eng) -> int:
+    """Decode steps the engine has run (in-process stats, or the server's /get_server_info)."""
+    if isinstance(eng, LocalEngine):
+        return int(eng.stats()["decode_steps"])
+    info = httpx.get(f"http://{eng.addresses[0]}/get_server_info", trust_env=False).json()
+    return int(info["engine_stats"]["decode_steps"])
+
+
 async def bench(args) -> dict:
     model = str(resolve_model_path(args.model))
-    local = LocalEngine(model, max_batch_size=args.requests, num_threads=args.threads)
+    local = LocalEngine(model, max_batch_size=args.requests, num_threads=args.threads or None)
     local.initialize()
     serve_args = ["--max-batch-size", str(args.requests), "--log-level", "warning"]
     if args.threads:
@@ -78,19 +90,24 @@ async def bench(args) -> dict:
         await run_round(local, prompts, 4)  # warm-up: allocator, connections
         await run_round(remote, prompts, 4)
         local_times, http_times = [], []
+        step_counts: list[tuple[int, int]] = []
         match = True
         max_lp_diff = 0.0
         for r in range(args.rounds):
             order = [("local", local), ("http", remote)]
             if r % 2:
                 order.reverse()
-            results = {}
+            results, steps = {}, {}
             for name, eng in order:
+                before = decode_steps(eng)
                 elapsed, outs = await run_round(eng, prompts, args.new_tokens)
+                steps[name] = decode_steps(eng) - before
                 (local_times if name == "local" else http_times).append(elapsed)
                 results[name] = outs
+            step_counts.append((steps["local"], steps["http"]))
             print(
-                f"round {r}: local {local_times[-1]:.3f} s  http {http_times[-1]:.3f} s  "
+                f"round {r}: local {local_times[-1]:.3f} s ({steps['local']} steps)  "
+                f"http {http_times[-1]:.3f} s ({steps['http']} steps)  "
                 f"ratio {http_times[-1] / local_times[-1]:.3f}",
                 flush=True,
             )
@@ -108,9 +125,12 @@ async def bench(args) -> dict:
         group.stop()
         local.destroy()
     local_s, http_s = statistics.median(local_times), statistics.median(http_times)
+    # Paired: each round's two sides ran back to back, so drifting machine load cancels out.
+    ratios = [h / loc for h, loc in zip(http_times, local_times, strict=True)]
     tokens = args.requests * args.new_tokens
     return {
-        "http_overhead_ratio": round(http_s / local_s, 4),
+        "http_overhead_ratio": round(statistics.median(ratios), 4),
+        "round_ratios": [round(r, 3) for r in ratios],
         "local_s": round(local_s, 3),
         "http_s": round(http_s, 3),
         "local_tok_per_s": round(tokens / local_s, 1),
@@ -118,6 +138,7 @@ async def bench(args) -> dict:
         "requests": args.requests,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "decode_steps_local_http": step_counts[len(step_counts) // 2],
         "outputs_match": match,
         "max_logprob_diff": max_lp_diff,
     }
@@ -127,9 +148,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads on each side")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads on each side (0 = torch default)"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     result = asyncio.run(bench(args))

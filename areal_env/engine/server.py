@@ -306,16 +306,28 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             state._leave(req.rid)
             return failure(e)
 
+        def delta_event(resp: ModelResponse, sent: int, finished: bool) -> bytes:
+            """Only the tokens after ``sent`` (like SGLang's --incremental-streaming-output);
+            ``completion_tokens`` stays the running total, so clients know the offset."""
+            out = state.answer(req, resp, return_logprob=return_logprob, finished=finished, text="")
+            new_ids = out["output_ids"] = resp.output_tokens[sent:]
+            meta = out["meta_info"]
+            for key in ("output_token_logprobs", "output_token_versions"):
+                if key in meta:
+                    meta[key] = meta[key][sent:]
+            out["text"] = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
+            return b"data: " + json.dumps(out).encode() + b"\n\n"
+
         async def events():
             ids: list[int] = []
             lps: list[float] = []
             vers: list[int] = []
+            sent = 0
             chunk = first
             try:
                 while True:
                     if chunk.final is not None:
-                        out = state.answer(req, chunk.final, return_logprob=return_logprob)
-                        yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                        yield delta_event(chunk.final, sent, True)
                         break
                     ids += chunk.token_ids
                     lps += chunk.logprobs
@@ -326,8 +338,8 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
                         output_logprobs=lps,
                         output_versions=vers,
                     )
-                    out = state.answer(req, partial, return_logprob=return_logprob, finished=False)
-                    yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                    yield delta_event(partial, sent, False)
+                    sent = len(ids)
                     chunk = await agen.__anext__()
             except Exception as e:  # noqa: BLE001 - SGLang reports stream errors in-band
                 yield b"data: " + json.dumps({"error": {"message": str(e)}}).encode() + b"\n\n"

@@ -158,6 +158,9 @@ class SGLangEngine:
         self.down_cooldown = down_cooldown
         self.max_abort_resubmits = max_abort_resubmits
         self.model_path = model_path
+        self.max_context_len: int | None = None
+        """Prompt + completion limit reported by the servers (None until ``initialize()``)."""
+        self.tokenizer = None  # servers tokenize; callers load their own from ``model_path``
         self._owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
         self._launch = launch  # called by initialize() when there is no server yet
         self._version = 0
@@ -202,11 +205,26 @@ class SGLangEngine:
                     data = info.json()
                     versions.append(_parse_version(data.get("weight_version")))
                     self.model_path = self.model_path or data.get("model_path")
+                    if not self.max_context_len:
+                        self.max_context_len = self._context_len(addr, data)
+                else:
+                    versions.append(None)
             except (httpx.TransportError, ValueError):
                 versions.append(None)
         if versions and all(v is not None for v in versions) and len(set(versions)) == 1:
             self._version = versions[0]  # type: ignore[assignment]
         logger.info("SGLangEngine ready: %d server(s) %s", len(self.addresses), self.addresses)
+
+    def _context_len(self, addr: str, model_info: dict) -> int | None:
+        """``areal-env serve`` reports it in /get_model_info; SGLang in /v1/models."""
+        value = model_info.get("max_context_len")
+        if not value:
+            try:
+                models = self._client_sync().get(f"http://{addr}/v1/models", timeout=10.0).json()
+                value = models["data"][0].get("max_model_len")
+            except (httpx.TransportError, ValueError, KeyError, IndexError, TypeError):
+                value = None
+        return int(value) if value else None
 
     def destroy(self) -> None:
         """Close HTTP clients (on their own loops) and stop servers this engine launched."""
@@ -533,10 +551,12 @@ class SGLangEngine:
             meta: dict = {}
             async for out in self._stream_segment(req, payload):
                 seg_ids, seg_lps, meta = _parse_generate_output(out)
-                have = len(tokens) - seg_start
-                if len(seg_ids) > have:
-                    new_ids, new_lps = seg_ids[have:], seg_lps[have:]
-                    new_versions = self._versions(meta, len(seg_ids))[have:]
+                skip = stream_skip(len(tokens) - seg_start, len(seg_ids), meta)
+                if skip < 0:
+                    raise EngineUnavailableError(f"stream for {req.rid} skipped tokens")
+                if len(seg_ids) > skip:
+                    new_ids, new_lps = seg_ids[skip:], seg_lps[skip:]
+                    new_versions = self._versions(meta, len(seg_ids))[skip:]
                     if not tokens:
                         ttft = time.perf_counter() - start
                     tokens += new_ids
@@ -708,6 +728,17 @@ def _error_message(resp: httpx.Response) -> str:
             if key in data:
                 return str(data[key])
     return str(data)[:500]
+
+
+def stream_skip(have: int, n_ids: int, meta: dict) -> int:
+    """How many of an SSE event's ``n_ids`` output ids we already hold (``have`` so far).
+
+    Events are cumulative (SGLang's default) or deltas (``--incremental-streaming-output``, and
+    ``areal-env serve``); ``completion_tokens`` (the running total) tells where the ids start.
+    A negative answer means tokens were skipped.
+    """
+    total = int(meta.get("completion_tokens") or n_ids)
+    return have - max(0, total - n_ids)
 
 
 def _parse_generate_output(out: Any) -> tuple[list[int], list[float], dict]:

@@ -12,7 +12,7 @@ import pytest
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest
-from areal_env.engine.sglang import SGLangEngine, sampling_params_from_gconfig
+from areal_env.engine.sglang import SGLangEngine, sampling_params_from_gconfig, stream_skip
 from tests.fixtures.sglang import launch_serve
 
 
@@ -65,6 +65,17 @@ def test_sampling_params_mapping():
     assert sampling_params_from_gconfig(g, max_new_tokens=2)["max_new_tokens"] == 2
 
 
+def test_stream_skip_cumulative_and_incremental():
+    # Cumulative events (SGLang default): [a], [a, b], [a, b, c]
+    assert stream_skip(0, 1, {"completion_tokens": 1}) == 0
+    assert stream_skip(1, 2, {"completion_tokens": 2}) == 1
+    assert stream_skip(2, 3, {}) == 2
+    # Deltas: [a], [b, c], [d] with running totals
+    assert stream_skip(1, 2, {"completion_tokens": 3}) == 0
+    assert stream_skip(3, 1, {"completion_tokens": 4}) == 0
+    assert stream_skip(1, 1, {"completion_tokens": 4}) < 0  # a gap
+
+
 def test_bad_addresses_refused():
     with pytest.raises(ValueError, match="host:port"):
         SGLangEngine(["nohostport"])
@@ -85,6 +96,7 @@ async def test_greedy_logprobs_equal_local_engine(sglang_engine, engine, tokeniz
     assert remote.stop_reason == local.stop_reason
     assert remote.output_versions == [sglang_engine.get_version()] * len(remote.output_tokens)
     assert remote.input_tokens == ids and remote.latency > 0
+    assert sglang_engine.max_context_len == engine.max_context_len == 8192
 
 
 async def test_round_robin_and_stickiness(sglang_engine, sglang_servers, tokenizer):

@@ -108,6 +108,10 @@ def serve() -> None:
     from areal_env.proxy.server import ProxyServer
 
     logging.basicConfig(level=logging.WARNING)
+    if os.environ.get("BENCH_NO_GC"):
+        import gc
+
+        gc.disable()
     tok = load_tokenizer()
     server = ProxyServer(FixedEngine(tok), tok, ProxyConfig(max_sessions=4096), model_name="fixed")
     server.start()
@@ -157,28 +161,61 @@ async def start_session(client: RawClient, admin_key: str) -> str:
     return json.loads(data)["api_key"]
 
 
-async def conversation(
-    client: RawClient, key: str, turns: int, timings: list[list[float]] | None
-) -> None:
-    messages: list[dict] = [
+def first_messages() -> list[dict]:
+    return [
         {"role": "system", "content": "You are a research assistant. Use tools to look things up."},
         {"role": "user", "content": "Collect records 1 to 20 and summarise them."},
     ]
+
+
+async def turn_request(client: RawClient, key: str, messages: list[dict], turn: int) -> float:
+    """One turn: send the history, append the reply and a tool result. Returns the round trip."""
+    body = json.dumps(
+        {"model": "fixed", "messages": messages, "tools": TOOLS, "max_tokens": 64}
+    ).encode()
+    t0 = time.perf_counter()
+    status, data = await client.post("/v1/chat/completions", body, key)
+    dt = time.perf_counter() - t0
+    if status != 200:
+        raise RuntimeError(f"turn {turn}: HTTP {status}: {data[:300]!r}")
+    msg = json.loads(data)["choices"][0]["message"]
+    call = msg["tool_calls"][0]
+    messages.append(msg)
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result(turn)})
+    return dt
+
+
+async def conversation(
+    client: RawClient, key: str, turns: int, timings: list[list[float]] | None
+) -> None:
+    messages = first_messages()
     for turn in range(turns):
-        body = json.dumps(
-            {"model": "fixed", "messages": messages, "tools": TOOLS, "max_tokens": 64}
-        ).encode()
-        t0 = time.perf_counter()
-        status, data = await client.post("/v1/chat/completions", body, key)
-        dt = time.perf_counter() - t0
-        if status != 200:
-            raise RuntimeError(f"turn {turn}: HTTP {status}: {data[:300]!r}")
-        msg = json.loads(data)["choices"][0]["message"]
+        dt = await turn_request(client, key, messages, turn)
         if timings is not None:
             timings[turn].append(dt)
-        call = msg["tool_calls"][0]
-        messages.append(msg)
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result(turn)})
+
+
+async def cpu_per_turn(
+    client: RawClient, admin_key: str, pid: int, turns: int, n: int
+) -> tuple[float, float]:
+    """Server CPU (ms) per first-turn request and per last-turn request, each over ``n`` requests.
+
+    CPU time, unlike wall time, does not depend on what else the machine is running.
+    """
+    keys = [await start_session(client, admin_key) for _ in range(n)]
+    histories = [first_messages() for _ in range(n)]
+    cpu0 = cpu_seconds(pid)
+    for k, h in zip(keys, histories, strict=True):
+        await turn_request(client, k, h, 0)
+    first = (cpu_seconds(pid) - cpu0) / n
+    for turn in range(1, turns - 1):
+        for k, h in zip(keys, histories, strict=True):
+            await turn_request(client, k, h, turn)
+    cpu0 = cpu_seconds(pid)
+    for k, h in zip(keys, histories, strict=True):
+        await turn_request(client, k, h, turns - 1)
+    last = (cpu_seconds(pid) - cpu0) / n
+    return first * 1e3, last * 1e3
 
 
 async def direct_timings(tok, turns: int, reps: int) -> list[float]:
@@ -219,6 +256,7 @@ async def run(args: argparse.Namespace, base_url: str, admin_key: str, tok, pid:
     for _ in range(args.conversations):
         await conversation(c, await start_session(c, admin_key), args.turns, timings)
     server_cpu_ms = (cpu_seconds(pid) - cpu0) / (args.conversations * (args.turns + 1)) * 1e3
+    cpu_turn1, cpu_turn20 = await cpu_per_turn(c, admin_key, pid, args.turns, args.cpu_samples)
     c.close()
     direct = await direct_timings(tok, args.turns, args.conversations)
     direct_p50 = statistics.median(direct)
@@ -251,6 +289,9 @@ async def run(args: argparse.Namespace, base_url: str, admin_key: str, tok, pid:
         "turn20_overhead_ms": round(per_turn_p50[-1] * 1e3, 3),
         "direct_engine_p50_ms": round(direct_p50 * 1e3, 4),
         "server_cpu_ms_per_request": round(server_cpu_ms, 3),
+        "server_cpu_ms_turn1": round(cpu_turn1, 3),
+        "server_cpu_ms_turn20": round(cpu_turn20, 3),
+        "turn20_vs_turn1_cpu": round(cpu_turn20 / cpu_turn1, 3) if cpu_turn1 else None,
         "server_cpu_bound_rps": round(args.sessions * args.turns / server_cpu_64, 1)
         if server_cpu_64
         else None,
@@ -265,6 +306,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=20)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--cpu-samples", type=int, default=150, help="requests per CPU-time sample")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:

@@ -187,6 +187,13 @@ class ProxyState:
             if parent is not None:
                 n = len(parent.messages) + 1
                 if len(messages) > n and parent.tools == creq.tools:
+                    # Share the parent's (identical, verified) message objects instead of keeping
+                    # a fresh copy of the whole history per turn: memory stays O(turns).
+                    messages = creq.messages = [
+                        *parent.messages,
+                        parent.output_message,
+                        *messages[n:],
+                    ]
                     prompt_ids = self.renderer.render_extension(
                         parent, messages[n:], creq.tools, creq.tool_choice
                     )

@@ -57,7 +57,7 @@ def _agent_kwargs(url: str) -> dict:
         "max_turns": 2,
         "max_tokens": 24,
         "temperature": 1.0,
-        "first_turn_tool_choice": "required",
+        "first_turn_tool_choice": {"type": "function", "function": {"name": "add"}},
     }
 
 

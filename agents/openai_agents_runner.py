@@ -64,7 +64,7 @@ class RunnerAgent:
         max_tokens: int | None = None,
         tool_error_policy: str | None = None,
         model: str | None = None,
-        first_turn_tool_choice: str | None = None,
+        first_turn_tool_choice: str | dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
@@ -150,7 +150,7 @@ class RunnerAgent:
             temperature=self.sampling.get("temperature"),
             top_p=self.sampling.get("top_p"),
             max_tokens=self.sampling.get("max_tokens"),
-            tool_choice=self.first_turn_tool_choice,
+            tool_choice=_sdk_tool_choice(self.first_turn_tool_choice),
         )
         messages = initial_messages(data, None)
         try:
@@ -188,6 +188,17 @@ class RunnerAgent:
         finally:
             if http_client is None:
                 await client.close()
+
+
+def _sdk_tool_choice(choice: str | dict[str, Any] | None) -> str | None:
+    """The Agents SDK takes ``auto``/``required``/``none`` or a bare function name."""
+    if isinstance(choice, dict):
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"cannot read a tool name from tool_choice {choice!r}")
+        return name
+    return choice
 
 
 def _item_dict(item: Any) -> dict[str, Any]:

@@ -66,3 +66,13 @@ async def test_ready_agents_refuse_bad_options(aenv_config):
             cls(aenv_config, max_turns=0)
         with pytest.raises(ValueError, match="unknown aenv config key"):
             cls({"bogus": 1})
+
+
+def test_runner_maps_named_tool_choice_for_the_sdk():
+    from areal_env.workflow.resolve import load_file_module
+
+    mod = load_file_module(AGENTS / "openai_agents_runner.py")
+    assert mod._sdk_tool_choice({"type": "function", "function": {"name": "add"}}) == "add"
+    assert mod._sdk_tool_choice("required") == "required" and mod._sdk_tool_choice(None) is None
+    with pytest.raises(ValueError):
+        mod._sdk_tool_choice({"type": "function"})

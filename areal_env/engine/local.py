@@ -61,6 +61,28 @@ class _Request:
     reason: str = ""  # why it stopped (set by _check_done)
 
 
+def _length_groups(reqs: list[_Request], max_waste: float = 0.2) -> list[list[_Request]]:
+    """Split requests (longest first) so that each group's left padding stays under ``max_waste``.
+
+    Padding is wasted compute in the prefill forward; one extra forward costs far less.
+    """
+    ordered = sorted(reqs, key=lambda r: len(r.req.input_ids), reverse=True)
+    groups: list[list[_Request]] = []
+    real = 0
+    for r in ordered:
+        n = len(r.req.input_ids)
+        if groups:
+            group = groups[-1]
+            longest = len(group[0].req.input_ids)
+            if (len(group) + 1) * longest <= (1.0 + max_waste) * (real + n):
+                group.append(r)
+                real += n
+                continue
+        groups.append([r])
+        real = n
+    return groups
+
+
 class LocalEngine:
     """In-process transformers engine with continuous batching (implements ``InferenceEngine``)."""
 
@@ -540,6 +562,11 @@ class LocalEngine:
         self._retire()
 
     def _prefill(self, admit: list[_Request], version: int) -> None:
+        """Prefill new requests in groups of similar length (little padding), then merge them."""
+        for group in _length_groups(admit):
+            self._prefill_group(group, version)
+
+    def _prefill_group(self, admit: list[_Request], version: int) -> None:
         lengths = [len(r.req.input_ids) for r in admit]
         T = max(lengths)
         ids = torch.zeros((len(admit), T), dtype=torch.long)

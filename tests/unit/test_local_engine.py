@@ -76,7 +76,7 @@ def assert_logprobs_match(engine, resp: ModelResponse, g: GenerationConfig) -> N
 
 
 async def test_logprobs_single_request(engine, tokenizer):
-    g = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=1)
+    g = GenerationConfig(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=1)
     req = ModelRequest(input_ids=chat_ids(tokenizer, QUESTIONS[2]), gconfig=g)
     resp = await engine.agenerate(req)
     assert resp.output_versions == [0] * len(resp.output_tokens)
@@ -94,7 +94,7 @@ async def test_logprobs_concurrent_mixed_settings(engine, tokenizer):
         dict(temperature=1.0, top_p=0.95),
         dict(temperature=0.9, top_k=5),
     ]
-    gs = [GenerationConfig(max_new_tokens=20, seed=i, **s) for i, s in enumerate(settings)]
+    gs = [GenerationConfig(max_new_tokens=16, seed=i, **s) for i, s in enumerate(settings)]
 
     async def staggered(i: int) -> ModelResponse:
         await asyncio.sleep(0.05 * (i % 4))  # some join a batch that is already decoding
@@ -109,14 +109,14 @@ async def test_logprobs_concurrent_mixed_settings(engine, tokenizer):
 
 
 async def test_greedy_identical_alone_and_in_busy_batch(engine, tokenizer):
-    g = GenerationConfig(max_new_tokens=24, greedy=True, ignore_eos=True)
+    g = GenerationConfig(max_new_tokens=16, greedy=True, ignore_eos=True)
     target = ModelRequest(input_ids=chat_ids(tokenizer, QUESTIONS[4]), gconfig=g)
     alone = await engine.agenerate(target)
 
     async def busy(i: int) -> ModelResponse:
         await asyncio.sleep(0.03 * i)
         return await engine.agenerate(
-            request(tokenizer, QUESTIONS[i], max_new_tokens=8 + 4 * i, ignore_eos=True, seed=i)
+            request(tokenizer, QUESTIONS[i], max_new_tokens=6 + 3 * i, ignore_eos=True, seed=i)
         )
 
     others = [asyncio.create_task(busy(i)) for i in range(7)]
@@ -137,20 +137,20 @@ async def test_versions_span_a_weight_update(engine, tokenizer, model_path):
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     perturbed = {k: v + 1e-3 * torch.randn_like(v) for k, v in original.items()}
     v0 = engine.get_version()
-    req = request(tokenizer, QUESTIONS[0], max_new_tokens=40, ignore_eos=True, seed=3)
+    req = request(tokenizer, QUESTIONS[0], max_new_tokens=24, ignore_eos=True, seed=3)
     chunks = []
     try:
         async for chunk in engine.agenerate_stream(req):
             chunks.append(chunk)
-            if len(chunks) == 10:
+            if len(chunks) == 8:
                 await asyncio.to_thread(engine.update_weights, perturbed)
                 assert engine.get_version() == v0 + 1
         final = chunks[-1].final
-        assert final is not None and len(final.output_tokens) == 40
+        assert final is not None and len(final.output_tokens) == 24
         versions = final.output_versions
         assert versions == sorted(versions)
         assert versions[0] == v0 and versions[-1] == v0 + 1
-        assert 10 <= versions.index(v0 + 1) <= 12
+        assert 8 <= versions.index(v0 + 1) <= 14
         torch.testing.assert_close(engine.model.model.norm.weight, perturbed["model.norm.weight"])
     finally:
         # restore from disk (the update-from-path code path), then the version

@@ -553,7 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     from areal_env.engine.local import LocalEngine
     from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 
-    args = build_parser().parse_args(argv)
+    # Unknown flags are SGLang's (a config written for sglang.launch_server): ignore, but say so.
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        logger.warning("ignoring options areal-env serve does not use: %s", " ".join(unknown))
     if args.tp_size != 1:
         logger.warning("--tp-size %d ignored: the embedded engine runs on one device", args.tp_size)
     try:

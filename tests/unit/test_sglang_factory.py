@@ -75,7 +75,7 @@ async def test_sglang_backend_launches_and_tears_down(tmp_path, tokenizer):
             backend="sglang",
             sglang={
                 "launch_command": SERVE_COMMAND,
-                "extra_args": SERVE_ARGS,
+                "extra_args": [*SERVE_ARGS, "--enable-metrics"],  # an SGLang-only flag: ignored
                 "base_port": 0,
                 "log_dir": str(tmp_path),
                 "startup_timeout": 180,

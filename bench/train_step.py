@@ -29,7 +29,7 @@ import torch
 
 from areal_env.api.config import ActorConfig, ModelConfig
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
-from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.actor import PPOActor, _enable_checkpointing
 
 
 def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
@@ -85,6 +85,10 @@ def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
         processing_class=tok,
     )
     trainer.create_optimizer()
+    # Trainer.train() would switch checkpointing on; we bypass it, so do it the same way as ours.
+    if grad_ckpt and not getattr(trainer.model, "is_gradient_checkpointing", False):
+        _enable_checkpointing(trainer.model)
+    trainer.model.config.use_cache = False
     # set by Trainer's training loop, which we bypass (one step, no gradient accumulation)
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -175,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "seq_len": args.prompt_len + args.completion_len,
         "gradient_checkpointing": grad_ckpt,
+        "trl_gradient_checkpointing": bool(
+            trainer is not None and getattr(trainer.model, "is_gradient_checkpointing", False)
+        ),
         "threads": torch.get_num_threads(),
     }
     if trl_error:

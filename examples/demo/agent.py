@@ -74,8 +74,10 @@ class CapitalsAgent:
 
 
 class ShortReplyAgent:
-    """A format-only task (for the quick learning test): reward 1 for a reply of at most
-    ``max_words`` words, else 0. It learns fast but proves only that the loop learns."""
+    """A length target (for the quick learning test): reward 1 for a reply of at most
+    ``max_words`` words, falling linearly to 0 at ``max_words + 20`` words. The graded reward gives
+    every group some variance, so it learns within a few steps — it proves the loop learns, not
+    that answers get better."""
 
     def __init__(self, model: str = "default", max_tokens: int = 24, max_words: int = 5) -> None:
         self.model = model
@@ -98,5 +100,7 @@ class ShortReplyAgent:
             max_tokens=self.max_tokens,
             temperature=1.0,
         )
-        reply = (resp.choices[0].message.content or "").strip()
-        return 1.0 if reply and len(reply.split()) <= self.max_words else 0.0
+        n = len((resp.choices[0].message.content or "").split())
+        if n == 0:
+            return 0.0
+        return 1.0 if n <= self.max_words else max(0.0, 1.0 - (n - self.max_words) / 20)

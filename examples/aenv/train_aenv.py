@@ -33,6 +33,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="environment servers to start (the calculator is stateless: 1 serves all episodes)",
     )
     p.add_argument("--tools", default=str(HERE / "env_tools.py"), help="environment tools file")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="do not resume from a checkpoint of an earlier run (trainer.recover=off)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
     return p.parse_args(argv)
 
@@ -52,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"trainer.total_train_steps={args.steps}")
+    if args.fresh:
+        overrides.append("trainer.recover=off")
     cfg = load_config(ExperimentConfig, args.config, overrides)
     if cfg.train_dataset and not Path(cfg.train_dataset).exists():
         for base in (Path(args.config).resolve().parent, ROOT):

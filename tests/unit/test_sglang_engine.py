@@ -306,3 +306,28 @@ async def test_destroyed_engine_unavailable(sglang_servers, tokenizer):
     eng.destroy()
     with pytest.raises(EngineUnavailableError):
         await eng.agenerate(ModelRequest(prompt(tokenizer, "Hi"), greedy(2)))
+
+
+async def test_stream_continues_across_pause(sglang_engine, sglang_servers, tokenizer):
+    ids = prompt(tokenizer, "Describe a walk in the forest.")
+    cfg = greedy(24, ignore_eos=True)
+    reference = await sglang_engine.agenerate(ModelRequest(ids, cfg))
+    aborted_before = sum(_aborted(a) for a in sglang_servers.addresses)
+    chunks = []
+
+    async def consume():
+        async for c in sglang_engine.agenerate_stream(ModelRequest(ids, cfg)):
+            chunks.append(c)
+
+    task = asyncio.create_task(consume())
+    while sum(len(c.token_ids) for c in chunks) < 3:
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(sglang_engine.pause)
+    await asyncio.sleep(0.5)
+    await asyncio.to_thread(sglang_engine.resume)
+    await asyncio.wait_for(task, 120)
+    assert sum(_aborted(a) for a in sglang_servers.addresses) > aborted_before
+    final = chunks[-1].final
+    assert final is not None and final.stop_reason == "length"
+    streamed = [t for c in chunks[:-1] for t in c.token_ids]
+    assert streamed == final.output_tokens == reference.output_tokens  # no gap, no repeat

@@ -506,7 +506,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="areal-env serve",
-        description="Serve a model with the embedded engine over SGLang's HTTP protocol.",
+        description="Serve a model with the embedded engine over SGLang's HTTP protocol. With --experiment NAME --trial TRIAL (or --checkpoint PATH) it serves a trained checkpoint through the OpenAI/Anthropic API instead (see `areal-env serve --experiment X --help`).",
     )
     p.add_argument(
         "--model",
@@ -548,13 +548,20 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     """``areal-env serve``: load the model, bind, print one readiness line, serve until killed."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if any(a.split("=")[0] in ("--experiment", "--checkpoint") for a in args_list):
+        # Serving a trained checkpoint through the OpenAI/Anthropic API (inference only).
+        from areal_env.service.inference import main as serve_checkpoint_main
+
+        return serve_checkpoint_main(args_list)
+
     import uvicorn
 
     from areal_env.engine.local import LocalEngine
     from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 
     # Unknown flags are SGLang's (a config written for sglang.launch_server): ignore, but say so.
-    args, unknown = build_parser().parse_known_args(argv)
+    args, unknown = build_parser().parse_known_args(args_list)
     if unknown:
         logger.warning("ignoring options areal-env serve does not use: %s", " ".join(unknown))
     if args.tp_size != 1:

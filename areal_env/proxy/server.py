@@ -13,6 +13,7 @@ import asyncio
 import ipaddress
 import logging
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -233,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("admin key: the one passed with --admin-key")
     sys.stdout.flush()
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         while server._thread is not None and server._thread.is_alive():
             time.sleep(0.5)

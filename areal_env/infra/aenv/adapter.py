@@ -321,7 +321,8 @@ class AenvEnvironmentAdapter:
 
     @staticmethod
     def _raise_if_cancelled() -> None:
-        # The SDK turns CancelledError into ToolError; restore the cancellation.
+        # The SDK catches CancelledError (turning it into ToolError, or retrying a session
+        # set-up); a cancelled task must still stop, so check after every SDK call.
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise asyncio.CancelledError()
@@ -344,6 +345,7 @@ class AenvEnvironmentAdapter:
                         try:
                             async with asyncio.timeout(self.config.timeout + 5.0):
                                 self._tools = await env.list_tools()
+                            self._raise_if_cancelled()
                         except Exception as e:
                             self._raise_if_cancelled()
                             await self._reset_session()
@@ -386,6 +388,7 @@ class AenvEnvironmentAdapter:
                         # ToolError, and a wait_for child task would leak that exception.
                         async with asyncio.timeout(limit + 5.0):
                             result = await env.call_tool(name, arguments, timeout=limit)
+                        self._raise_if_cancelled()
                     except Exception as e:
                         self._raise_if_cancelled()
                         if is_retry_safe(e):
@@ -414,7 +417,9 @@ class AenvEnvironmentAdapter:
                 with attempt:
                     attempts += 1
                     try:
-                        return await fn(arguments, timeout=self.config.timeout)
+                        out = await fn(arguments, timeout=self.config.timeout)
+                        self._raise_if_cancelled()
+                        return out
                     except Exception as e:
                         self._raise_if_cancelled()
                         if is_retry_safe(e):

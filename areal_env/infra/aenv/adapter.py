@@ -216,6 +216,14 @@ class AenvEnvironmentAdapter:
                 await self.wait_ready(cfg.startup_timeout)
             self._initialized = True
             logger.debug("attached to %s", self.where)
+        except AenvError:
+            await self.release()
+            raise
+        except Exception as e:
+            await self.release()
+            raise AenvUnavailableError(
+                f"{self.where} could not be initialized: {type(e).__name__}: {e}"
+            ) from e
         except BaseException:
             await self.release()
             raise
@@ -248,6 +256,7 @@ class AenvEnvironmentAdapter:
         """
         env, http = self._env, self._http
         self._env, self._http, self._initialized = None, None, False
+        self._tools = self._openai = None  # a new instance may have other tools
         if env is None and http is None:
             return
         task = asyncio.ensure_future(self._release(env, http))

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             t_engine = asyncio.run(engine_run(engine, prompts[:n], args.new_tokens))
             todo = prompts[len(done_baseline) : n]
             if args.baseline_requests is not None:
-                todo = todo[: max(1, args.baseline_requests - len(done_baseline))]
+                todo = todo[: max(0, args.baseline_requests - len(done_baseline))]
             if todo:
                 done_baseline += hf_one_by_one(model, todo, args.new_tokens, pad_id)
             measured = done_baseline[:n]

@@ -156,8 +156,8 @@ class AenvServerLauncher:
         try:
             for host in hosts:
                 self.servers.append(self._spawn(host))
-            for server in self.servers:
-                self._wait_ready(server)
+            for i in range(len(self.servers)):
+                self._wait_ready_or_move(i)
         except BaseException:
             self.stop()
             raise
@@ -210,6 +210,24 @@ class AenvServerLauncher:
                     f"log: {server.log_path}\n{_tail(server.log_path)}"
                 )
             time.sleep(0.1)
+
+    def _wait_ready_or_move(self, index: int, tries: int = 3) -> None:
+        """Wait for server ``index``; if another process took its address meanwhile (the
+        server exits with "address already in use"), start it on the next free address."""
+        for attempt in range(tries):
+            server = self.servers[index]
+            try:
+                self._wait_ready(server)
+                return
+            except RuntimeError:
+                lost_race = "address already in use" in _tail(server.log_path).lower()
+                if self._fixed_hosts or not lost_race or attempt == tries - 1:
+                    raise
+            logger.info("address %s was taken meanwhile; trying another", server.host)
+            (new_host,) = free_loopback_hosts(1, self.first_host)
+            with _claim_lock:
+                _claimed.discard(server.host)
+            self.servers[index] = self._spawn(new_host)
 
     def stop_server(self, index: int, *, kill: bool = False) -> None:
         """Stop one server (tests use ``kill=True`` to simulate a crash)."""

@@ -37,7 +37,7 @@ _MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bou
 _LOG_EVERY_S = 30.0  # progress log interval while busy
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared/removed by object
 class _Request:
     """A request's state inside the engine (touched by the worker thread only, except flags)."""
 
@@ -371,13 +371,23 @@ class LocalEngine:
                 self._wake()
 
     def abort(self, rid: str) -> bool:
-        """End request ``rid`` at the next step boundary with ``stop_reason="abort"``."""
+        """End request ``rid`` with ``stop_reason="abort"`` and the tokens produced so far.
+
+        Answered at once when no decode step is running (e.g. while paused), otherwise at the end
+        of the current step. Returns False if no such request is in flight.
+        """
         with self._cv:
-            for r in self._live.values():
-                if r.req.rid == rid and not r.done:
+            for r in list(self._live.values()):
+                if r.req.rid != rid or r.done:
+                    continue
+                if self._in_step:
                     r.aborted = True
-                    self._cv.notify_all()
-                    return True
+                else:  # the worker is idle or paused: answer now; it drops the row later
+                    if r in self._pending:
+                        self._pending.remove(r)
+                    self._finish(r, "abort")
+                self._cv.notify_all()
+                return True
         return False
 
     @staticmethod
@@ -627,7 +637,9 @@ class LocalEngine:
     def _check_done(self, r: _Request) -> bool:
         """Decide whether ``r`` stops after its latest token (reason stored on the request)."""
         reason = None
-        if r.cancelled:
+        if r.done:  # already answered (aborted while the worker was paused)
+            reason = "gone"
+        elif r.cancelled:
             reason = "cancel"
         elif r.aborted:
             reason = "abort"
@@ -684,6 +696,8 @@ class LocalEngine:
             r.sent = n
 
     def _finish(self, r: _Request, reason: str) -> None:
+        if reason == "gone":
+            return
         r.done = True
         with self._cv:
             self._live.pop(id(r), None)

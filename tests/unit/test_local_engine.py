@@ -162,14 +162,30 @@ async def test_versions_span_a_weight_update(engine, tokenizer, model_path):
 
 
 async def test_pause_holds_requests_and_resume_releases_them(engine, tokenizer):
-    engine.pause()
+    running = request(tokenizer, QUESTIONS[2], max_new_tokens=200, ignore_eos=True)
+    stream = engine.agenerate_stream(running)
+    first = await stream.__anext__()  # it is decoding
+    assert first.final is None
+    await asyncio.to_thread(engine.pause)
     try:
         task = asyncio.create_task(
             engine.agenerate(request(tokenizer, QUESTIONS[1], max_new_tokens=4, greedy=True))
         )
+        queued = request(tokenizer, QUESTIONS[3], max_new_tokens=4)
+        queued_task = asyncio.create_task(engine.agenerate(queued))
         await asyncio.sleep(0.5)
+        assert not task.done() and not queued_task.done()
+        assert engine.stats()["queued"] == 2
+        # aborts are answered at once while paused, for queued and running requests alike
+        assert engine.abort(queued.rid)
+        resp = await asyncio.wait_for(queued_task, 5)
+        assert resp.stop_reason == "abort" and resp.output_tokens == []
+        assert engine.abort(running.rid)
+        chunks = [c async for c in stream]
+        final = chunks[-1].final
+        assert final is not None and final.stop_reason == "abort"
+        assert 0 < len(final.output_tokens) < 200
         assert not task.done()
-        assert engine.stats()["queued"] == 1
     finally:
         engine.resume()
     resp = await asyncio.wait_for(task, 60)

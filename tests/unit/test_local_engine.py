@@ -345,7 +345,11 @@ async def test_callable_from_another_thread_and_loop(engine, tokenizer):
 
 
 async def test_unavailable_destroyed_and_context_limit(model_path, tokenizer):
-    idle = LocalEngine(model_path)
+    from areal_env.api.config import EngineConfig, ModelConfig
+
+    idle = LocalEngine.from_config(ModelConfig(), EngineConfig(max_batch_size=4))
+    assert idle.model_path == model_path and idle.max_batch_size == 4
+    assert LocalEngine.supports_state_dict_update is True
     with pytest.raises(EngineUnavailableError):
         await idle.agenerate(request(tokenizer, "hi", max_new_tokens=2))
 

@@ -81,6 +81,16 @@ def test_pool_spreads_episodes_over_servers(aenv_config):
     assert set(pool._busy.values()) == {0}
 
 
+def test_agent_pickles_for_subprocess_workers(aenv_config):
+    import pickle
+
+    agent = AenvAgent(aenv_config, aenv_urls=["http://127.0.0.1", "http://127.0.0.2"])
+    agent.pool.acquire()
+    copy = pickle.loads(pickle.dumps(agent))
+    assert copy.pool.urls == agent.pool.urls and set(copy.pool._busy.values()) == {0}
+    assert copy.pool.acquire() in copy.pool.urls and copy.config == agent.config
+
+
 # -------------------------------------------------------------------------- tool handling
 
 

@@ -31,6 +31,16 @@ class EnvironmentPool:
         self._busy = dict.fromkeys(self.urls, 0)
         self._lock = threading.Lock()  # agents may run on several event loops / threads
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable (subprocess rollout workers)
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        state["_busy"] = dict.fromkeys(self.urls, 0)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def acquire(self) -> str:
         with self._lock:
             url = min(self.urls, key=lambda u: self._busy[u])

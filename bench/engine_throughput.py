@@ -101,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         args.new_tokens = 8
         args.baseline_requests = args.baseline_requests or 4
 
-    engine = LocalEngine(str(resolve_model_path(args.model)), max_batch_size=32)
-    engine.num_threads = args.threads
+    if args.threads:
+        torch.set_num_threads(args.threads)  # this thread runs the one-by-one baseline
+    engine = LocalEngine(
+        str(resolve_model_path(args.model)), max_batch_size=32, num_threads=args.threads
+    )
     engine.initialize()
     try:
         model, tok = engine.model, engine.tokenizer

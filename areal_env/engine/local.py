@@ -165,8 +165,6 @@ class LocalEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         t0 = time.perf_counter()
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
         dev = self._device_opt
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -492,6 +490,9 @@ class LocalEngine:
 
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
+        if self.num_threads:
+            # OpenMP thread counts are per calling thread: set it where the model work runs.
+            torch.set_num_threads(self.num_threads)
         self._log_at, self._log_tokens = time.perf_counter(), 0
         while True:
             with self._cv:

@@ -65,6 +65,7 @@ def _train_cmd(config: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_checkpoint_kill_resume_and_outputs(tmp_path):
     steps = 3
     config = _write_run(tmp_path, steps)
@@ -169,13 +170,14 @@ SHORT_PROMPTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~4 min on an idle 2-core CPU; generous for a loaded CI machine
 def test_learns_a_short_reply_target(tmp_path):
     """Length target (1 for at most 5 words, falling to 0 at 25): the reward over the last steps
     clearly beats the first steps. Proves the loop learns (not that answers get better: see the demo's task)."""
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.trainer.ppo import PPOTrainer
 
-    steps = 8
+    steps = 6
     cfg = load_config(
         ExperimentConfig,
         None,

@@ -58,8 +58,28 @@ logger = logging.getLogger(__name__)
 _JSON = "application/json"
 
 
+try:  # orjson: several times faster at both ends; the stdlib stays the reference behaviour
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is a dependency, but keep working without it
+    _orjson = None
+
+
 def _dumps(obj: Any) -> bytes:
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(obj)
+        except (TypeError, _orjson.JSONEncodeError):
+            pass  # non-str keys, huge ints, lone surrogates, ...: the stdlib's answer
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _loads(raw: bytes) -> Any:
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass  # NaN, big ints, ...: the stdlib accepts some and words its own errors
+    return json.loads(raw)
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -84,7 +104,7 @@ async def read_json(request: Request, *, empty_ok: bool = False) -> Any:
             return {}
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        return _loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
 

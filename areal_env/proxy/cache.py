@@ -145,16 +145,28 @@ def canonical_message(message: dict[str, Any]) -> tuple:
     return (role, content_text(message.get("content")).strip(), calls)
 
 
-def _message_ids(message: dict[str, Any]) -> tuple[list[str | None], str | None]:
-    return [c.get("id") for c in _tool_calls(message)], message.get("tool_call_id")
+def _message_ids(message: dict[str, Any]) -> tuple[tuple[str | None, ...], str | None]:
+    """The ids of a message that must agree across echoes: its tool-call ids, its tool_call_id."""
+    calls = message.get("tool_calls")
+    call_ids = tuple(c.get("id") for c in calls if isinstance(c, dict)) if calls else ()
+    return call_ids, message.get("tool_call_id")
+
+
+_NO_IDS: tuple[tuple[str | None, ...], str | None] = ((), None)
+
+
+def _ids_compatible_sig(
+    a: tuple[tuple[str | None, ...], str | None], b: tuple[tuple[str | None, ...], str | None]
+) -> bool:
+    (calls_a, tcid_a), (calls_b, tcid_b) = a, b
+    if tcid_a and tcid_b and tcid_a != tcid_b:
+        return False
+    return all(not (x and y) or x == y for x, y in zip(calls_a, calls_b, strict=False))
 
 
 def _ids_compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Tool-call ids agree wherever both messages carry them."""
-    (calls_a, tcid_a), (calls_b, tcid_b) = _message_ids(a), _message_ids(b)
-    if tcid_a and tcid_b and tcid_a != tcid_b:
-        return False
-    return all(not (x and y) or x == y for x, y in zip(calls_a, calls_b, strict=False))
+    return _ids_compatible_sig(_message_ids(a), _message_ids(b))
 
 
 def _message_bytes(message: dict[str, Any]) -> bytes:
@@ -164,7 +176,8 @@ def _message_bytes(message: dict[str, Any]) -> bytes:
         role = "system"
     content = message.get("content")
     text = (content if isinstance(content, str) else content_text(content)).strip()
-    out = f"{len(str(role))}:{role}{len(text)}:{text}"
+    role = str(role)
+    out = f"{len(role)}:{role}{len(text)}:{text}"
     calls = message.get("tool_calls")
     if calls:
         for call in calls:
@@ -209,7 +222,9 @@ class InteractionCache:
         self._index: dict[bytes, list[str]] = {}
         self._last: str | None = None
         self._total_tokens = 0
-        self._recent: dict[int, tuple[list[dict[str, Any]], int, Any]] = {}
+        self._recent: dict[int, tuple[list[dict[str, Any]], int, Any, list[Any]]] = {}
+        # per interaction: the hash state after messages + output, and their id signatures
+        self._sigs: dict[str, tuple[Any, list[Any]]] = {}
 
     # ---- containers ----
     def __len__(self) -> int:
@@ -264,12 +279,18 @@ class InteractionCache:
         """
         h = _hasher()
         keys: list[bytes] = []
+        sigs: list[tuple[tuple[str | None, ...], str | None]] = []
         for message in messages:
             h.update(_message_bytes(message))
             keys.append(h.digest())
+            sigs.append(
+                _message_ids(message)
+                if "tool_calls" in message or "tool_call_id" in message
+                else _NO_IDS
+            )
         with self._lock:
-            # add() usually follows with these very messages: keep the hash state for it
-            self._recent[id(messages)] = (messages, len(messages), h)
+            # add() often follows with these very messages: keep the hash state for it
+            self._recent[id(messages)] = (messages, len(messages), h, sigs)
             while len(self._recent) > _RECENT_SIZE:
                 self._recent.pop(next(iter(self._recent)))
             if not self._index:
@@ -281,17 +302,50 @@ class InteractionCache:
                 if not candidates:
                     continue
                 for cid in reversed(candidates):
-                    it = self._items[cid]
-                    if self._ids_match(it, messages[: pos + 1]):
-                        return it
+                    if self._ids_match(cid, sigs, pos + 1):
+                        return self._items[cid]
         return None
 
-    @staticmethod
-    def _ids_match(it: Interaction, messages: list[dict[str, Any]]) -> bool:
-        own = [*it.messages, it.output_message]
-        return len(own) == len(messages) and all(
-            _ids_compatible(a, b) for a, b in zip(own, messages, strict=True)
-        )
+    def _ids_match(
+        self, cid: str, sigs: list[tuple[tuple[str | None, ...], str | None]], n: int
+    ) -> bool:
+        """Whether the first ``n`` request messages' ids (``sigs``) agree with ``cid``'s."""
+        own = self._sigs[cid][1]
+        if len(own) != n:
+            return False
+        head = sigs if len(sigs) == n else sigs[:n]
+        return own == head or all(_ids_compatible_sig(a, b) for a, b in zip(own, head, strict=True))
+
+    def _chain_state(
+        self, it: Interaction, parent: Interaction | None
+    ) -> tuple[Any, list[tuple[tuple[str | None, ...], str | None]]]:
+        """Hash state and id signatures of ``it.messages``, hashing as few messages as possible.
+
+        A spliced child shares its parent's message objects (the proxy passes them on), so only
+        the messages after the parent's are hashed: the cost follows the new turns.
+        """
+        msgs = it.messages
+        if parent is not None and parent.id in self._sigs:
+            n = len(parent.messages)
+            if len(msgs) > n and msgs[n] is parent.output_message:
+                pmsgs = parent.messages
+                if all(a is b for a, b in zip(msgs[:n], pmsgs, strict=True)):
+                    state, psigs = self._sigs[parent.id]
+                    h = state.copy()
+                    sigs = list(psigs)
+                    for message in msgs[n + 1 :]:
+                        h.update(_message_bytes(message))
+                        sigs.append(_message_ids(message))
+                    return h, sigs
+        recent = self._recent.pop(id(msgs), None)
+        if recent is not None and recent[0] is msgs and recent[1] == len(msgs):
+            return recent[2].copy(), list(recent[3])
+        h = _hasher()
+        sigs = []
+        for message in msgs:
+            h.update(_message_bytes(message))
+            sigs.append(_message_ids(message))
+        return h, sigs
 
     def add(self, it: Interaction) -> None:
         """Insert a finished interaction (its parent, if any, must be in the cache).
@@ -307,16 +361,6 @@ class InteractionCache:
                 f"({len(it.output_logprobs)}) and output_versions ({len(it.output_versions)}) "
                 "must have the same length"
             )
-        with self._lock:
-            recent = self._recent.pop(id(it.messages), None)
-        if recent is not None and recent[0] is it.messages and recent[1] == len(it.messages):
-            h = recent[2].copy()
-        else:
-            h = _hasher()
-            for message in it.messages:
-                h.update(_message_bytes(message))
-        h.update(_message_bytes(it.output_message))
-        key = h.digest()
         with self._lock:
             if it.id in self._items:
                 raise ValueError(f"interaction {it.id!r} already recorded")
@@ -334,8 +378,13 @@ class InteractionCache:
                 parent = self._items.get(it.parent_id)
                 if parent is None:
                     raise KeyError(f"unknown parent interaction {it.parent_id!r}")
+            h, sigs = self._chain_state(it, parent)
+            h.update(_message_bytes(it.output_message))
+            sigs.append(_message_ids(it.output_message))
+            key = h.digest()
             self._record_spans(it, parent)
             self._items[it.id] = it
+            self._sigs[it.id] = (h, sigs)
             self._children.setdefault(it.id, [])
             if parent is not None:
                 self._children[parent.id].append(it.id)

@@ -19,6 +19,7 @@ assistant calls and tool results are rendered in that same format (results as
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -37,10 +38,16 @@ from areal_env.proxy.tool_parsers import (
 if TYPE_CHECKING:
     from areal_env.proxy.cache import Interaction
 
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - then tool prompts are simply rebuilt each time
+    _orjson = None
+
 logger = logging.getLogger(__name__)
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SENTINEL = "\u2063SPLICE-SENTINEL\u2063"
+_PREFIX_CACHE_SIZE = 4096
 _PROBE_TOOLS = [
     {
         "type": "function",
@@ -80,6 +87,12 @@ class ParsedOutput:
         return msg
 
 
+@functools.lru_cache(maxsize=4096)
+def _normalized_arguments(raw: str) -> str | None:
+    """``normalize_arguments`` of a string, cached: histories repeat the same calls each turn."""
+    return normalize_arguments(raw)
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -112,12 +125,18 @@ class ChatRenderer:
     ``tool_parser``: a family name (``hermes``, ``qwen``, ``llama3``, ``mistral``, ``none``) or
     ``auto`` (detected from the template). ``worked_example``: for templates that ignore tools,
     also put one example exchange (a request and its call) after the system prompt. The
-    instance is stateless after construction and safe to share between threads and sessions.
+    instance keeps only bounded caches after construction and is safe to share between threads
+    and sessions.
     """
 
     def __init__(self, tokenizer: Any, tool_parser: str = "auto", *, worked_example: bool = True):
         self.tokenizer = tokenizer
         self.worked_example = worked_example
+        self._tool_prompt_cache: dict[bytes, tuple[str, list[dict[str, str]]]] = {}
+        # glue ids per final output token (None: the output did not end on a stop token)
+        self._glue_cache: dict[int | None, list[int]] = {}
+        # parent id -> (its context message objects, tools, tool_choice, their rendering)
+        self._prefix_cache: dict[str, tuple[tuple[dict[str, Any], ...], Any, Any, str]] = {}
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError("the tokenizer has no chat template; the proxy needs one")
@@ -269,15 +288,18 @@ class ChatRenderer:
         tools: Any,
         tool_choice: Any,
         local: bool,
+        prefix: str | None = None,
     ) -> str | None:
         """Template text of ``new_messages`` (+ generation prompt) after ``prefix_msgs``.
 
         ``local``: render after a short context (first message + the last two) instead of the
-        whole history. None if the rendering of the prefix is not a prefix of the whole.
+        whole history. ``prefix``: that context's rendering, if already known. None if the
+        rendering of the prefix is not a prefix of the whole.
         """
         if local and len(prefix_msgs) > 3:
             prefix_msgs = [prefix_msgs[0], *prefix_msgs[-2:]]
-        prefix = self.render_text(prefix_msgs, tools, tool_choice, add_generation_prompt=False)
+        if prefix is None:
+            prefix = self.render_text(prefix_msgs, tools, tool_choice, add_generation_prompt=False)
         full = self.render_text(
             [*prefix_msgs, *new_messages], tools, tool_choice, add_generation_prompt=True
         )
@@ -378,7 +400,7 @@ class ChatRenderer:
 
         if self.native_tools:
             return out, offered or None
-        instructions = self._format.instructions(offered, tool_choice) if offered else ""
+        instructions, example = self._tool_prompt(offered, tool_choice) if offered else ("", [])
         if instructions:
             if out[0]["role"] == "system":
                 base = out[0]["content"]
@@ -388,19 +410,53 @@ class ChatRenderer:
                 }
             else:
                 out.insert(0, {"role": "system", "content": instructions})
-            if self.worked_example:
-                out[1:1] = self._format.worked_example(offered, tool_choice)
+            if example:
+                out[1:1] = [dict(m) for m in example]
         return out, None
 
-    @staticmethod
-    def _call_of(call: Any, i: int) -> dict[str, Any]:
+    def _tool_prompt(
+        self, offered: list[dict[str, Any]], tool_choice: Any
+    ) -> tuple[str, list[dict[str, str]]]:
+        """Tool instructions and worked example for these tools, cached by their content.
+
+        Every request of an agent offers the same tools; this text is built once, not on every
+        render (twice per spliced turn).
+        """
+        try:
+            key: bytes | None = (
+                _orjson.dumps([offered, tool_choice], option=_orjson.OPT_SORT_KEYS)
+                if _orjson is not None
+                else None
+            )
+        except (TypeError, _orjson.JSONEncodeError):
+            key = None
+        hit = self._tool_prompt_cache.get(key) if key is not None else None
+        if hit is not None:
+            return hit
+        instructions = self._format.instructions(offered, tool_choice)
+        example = (
+            self._format.worked_example(offered, tool_choice)
+            if instructions and self.worked_example
+            else []
+        )
+        if key is not None:
+            if len(self._tool_prompt_cache) >= 256:
+                self._tool_prompt_cache.clear()
+            self._tool_prompt_cache[key] = (instructions, example)
+        return instructions, example
+
+    def _call_of(self, call: Any, i: int) -> dict[str, Any]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RenderError(f"messages[{i}]: tool_calls entries need function.name")
         raw = fn.get("arguments")
-        normalized = normalize_arguments(raw)
-        obj: Any = json.loads(normalized) if normalized is not None else raw
-        return {"id": call.get("id") or "", "name": fn["name"], "arguments": raw, "object": obj}
+        out = {"id": call.get("id") or "", "name": fn["name"], "arguments": raw}
+        if self.native_tools:  # only templates that render calls themselves need the object
+            normalized = (
+                _normalized_arguments(raw) if isinstance(raw, str) else normalize_arguments(raw)
+            )
+            out["object"] = json.loads(normalized) if normalized is not None else raw
+        return out
 
     # ---- public rendering ------------------------------------------------------------------
     def render_text(
@@ -454,8 +510,10 @@ class ChatRenderer:
         cache then records the child as not spliced.
         """
         prefix_msgs = [*parent.messages, parent.output_message]
-        suffix = self._suffix(prefix_msgs, new_messages, tools, tool_choice, self.local_suffix)
-        if suffix is None and self.local_suffix:
+        suffix = None
+        if self.local_suffix:
+            suffix = self._local_suffix(parent, prefix_msgs, new_messages, tools, tool_choice)
+        if suffix is None:
             suffix = self._suffix(prefix_msgs, new_messages, tools, tool_choice, False)
         if suffix is None:
             logger.warning(
@@ -472,19 +530,60 @@ class ChatRenderer:
             *self._encode(suffix),
         ]
 
+    def _local_suffix(
+        self,
+        parent: Interaction,
+        prefix_msgs: list[dict[str, Any]],
+        new_messages: list[dict[str, Any]],
+        tools: Any,
+        tool_choice: Any,
+    ) -> str | None:
+        """``_suffix(local=True)`` with the parent's short-context rendering cached.
+
+        The next turn's request comes back with the same tools: the context is rendered once per
+        parent. Entries are checked against the very message objects they were rendered from
+        (the proxy shares a parent's message objects with its children) and are bounded
+        (oldest dropped first).
+        """
+        ctx = [prefix_msgs[0], *prefix_msgs[-2:]] if len(prefix_msgs) > 3 else prefix_msgs
+        cached = self._prefix_cache.get(parent.id)
+        prefix = None
+        if (
+            cached is not None
+            and len(cached[0]) == len(ctx)
+            and all(a is b for a, b in zip(cached[0], ctx, strict=True))
+            and cached[1] == tools
+            and cached[2] == tool_choice
+        ):
+            prefix = cached[3]
+        if prefix is None:
+            prefix = self.render_text(ctx, tools, tool_choice, add_generation_prompt=False)
+            self._prefix_cache[parent.id] = (tuple(ctx), tools, tool_choice, prefix)
+            while len(self._prefix_cache) > _PREFIX_CACHE_SIZE:
+                try:
+                    self._prefix_cache.pop(next(iter(self._prefix_cache)))
+                except (StopIteration, KeyError, RuntimeError):  # another thread got there
+                    break
+        return self._suffix(prefix_msgs, new_messages, tools, tool_choice, True, prefix)
+
     def glue_ids(self, output_ids: list[int]) -> list[int]:
         """Tokens that close the assistant turn after ``output_ids``.
 
         If the output ended on a stop token that starts the template's end-of-turn text
         (``<|im_end|>`` of ``<|im_end|>\\n``), only the rest (``\\n``) is added; otherwise (cut by
-        length, a stop string, ...) the whole end-of-turn text is.
+        length, a stop string, ...) the whole end-of-turn text is. Cached per final token.
         """
-        glue = self.end_of_turn
-        if output_ids and output_ids[-1] in self.stop_token_ids:
-            tail = self.tokenizer.decode([output_ids[-1]], skip_special_tokens=False)
-            if tail and glue.startswith(tail):
-                glue = glue[len(tail) :]
-        return self._encode(glue) if glue else []
+        last = output_ids[-1] if output_ids and output_ids[-1] in self.stop_token_ids else None
+        cached = self._glue_cache.get(last)
+        if cached is None:
+            glue = self.end_of_turn
+            if last is not None:
+                tail = self.tokenizer.decode([last], skip_special_tokens=False)
+                if tail and glue.startswith(tail):
+                    glue = glue[len(tail) :]
+            cached = self._encode(glue) if glue else []
+            self._glue_cache[last] = cached
+        return list(cached)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

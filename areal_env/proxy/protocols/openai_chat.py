@@ -8,6 +8,7 @@ joined so the same turn always hashes the same), tool calls with string argument
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from areal_env.proxy.protocols.common import (
@@ -28,13 +29,16 @@ _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _TEXT_PARTS = {"text", "input_text", "output_text", "refusal"}
 
 
-def _content(content: Any, param: str, *, allow_none: bool) -> str | None:
+def _content(content: Any, param: str | Callable[[], str], *, allow_none: bool) -> str | None:
+    """Content as text. ``param`` may be a callable: error paths only build the name."""
+    if isinstance(content, str):  # the common case first
+        return content
     if content is None:
         if allow_none:
             return None
-        raise bad_request(f"'{param}' is required", param)
-    if isinstance(content, str):
-        return content
+        name = param() if callable(param) else param
+        raise bad_request(f"'{name}' is required", name)
+    name = param() if callable(param) else param
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -42,95 +46,109 @@ def _content(content: Any, param: str, *, allow_none: bool) -> str | None:
                 texts.append(part)
                 continue
             if not isinstance(part, dict):
-                raise bad_request(f"'{param}[{j}]' must be a content part object", param)
+                raise bad_request(f"'{name}[{j}]' must be a content part object", name)
             kind = part.get("type")
             if kind in _TEXT_PARTS:
                 text = part.get("text", part.get("refusal"))
                 if not isinstance(text, str):
-                    raise bad_request(f"'{param}[{j}].text' must be a string", param)
+                    raise bad_request(f"'{name}[{j}].text' must be a string", name)
                 texts.append(text)
             else:
                 raise bad_request(
                     f"content part type {kind!r} is not supported (this model takes text only)",
-                    param,
+                    name,
                 )
         return "".join(texts)
-    raise bad_request(f"'{param}' must be a string or a list of content parts", param)
+    raise bad_request(f"'{name}' must be a string or a list of content parts", name)
 
 
 def convert_messages(raw: Any) -> list[dict[str, Any]]:
+    """Validate and convert messages. Runs over the whole history on every request, so the
+    valid path does no string formatting (parameter names are built only for errors)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
+    append = out.append
     for i, m in enumerate(raw):
-        p = f"messages[{i}]"
         if not isinstance(m, dict):
+            p = f"messages[{i}]"
             raise bad_request(f"'{p}' must be an object", p)
         role = m.get("role")
         if role not in _ROLES:
+            p = f"messages[{i}]"
             raise bad_request(
                 f"'{p}.role' must be one of system, developer, user, assistant, tool; got {role!r}",
                 f"{p}.role",
             )
-        if role == "developer":
-            role = "system"
+
+        def param(i: int = i) -> str:
+            return f"messages[{i}].content"
+
         if role == "assistant":
             msg: dict[str, Any] = {
                 "role": "assistant",
-                "content": _content(m.get("content"), f"{p}.content", allow_none=True),
+                "content": _content(m.get("content"), param, allow_none=True),
             }
             calls = m.get("tool_calls")
             if calls:
                 if not isinstance(calls, list):
+                    p = f"messages[{i}]"
                     raise bad_request(f"'{p}.tool_calls' must be a list", f"{p}.tool_calls")
-                msg["tool_calls"] = [
-                    _tool_call(c, f"{p}.tool_calls[{j}]") for j, c in enumerate(calls)
-                ]
+                msg["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(calls)]
             elif m.get("function_call"):  # legacy single call
                 fc = m["function_call"]
                 msg["tool_calls"] = [
-                    _tool_call({"id": "call_0", "function": fc}, f"{p}.function_call")
+                    _tool_call({"id": "call_0", "function": fc}, i, None, "function_call")
                 ]
-            out.append(msg)
-        elif role in ("tool", "function"):
+            append(msg)
+        elif role == "tool" or role == "function":
             tid = m.get("tool_call_id") or m.get("name")
             if not isinstance(tid, str):
+                p = f"messages[{i}]"
                 raise bad_request(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
-            out.append(
+            append(
                 {
                     "role": "tool",
                     "tool_call_id": tid,
-                    "content": _content(m.get("content"), f"{p}.content", allow_none=True) or "",
+                    "content": _content(m.get("content"), param, allow_none=True) or "",
                 }
             )
         else:
-            out.append(
+            append(
                 {
-                    "role": role,
-                    "content": _content(m.get("content"), f"{p}.content", allow_none=False),
+                    "role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), param, allow_none=False),
                 }
             )
     return out
 
 
-def _tool_call(c: Any, p: str) -> dict[str, Any]:
-    if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+def _tool_call(c: Any, i: int, j: int | None, field: str = "tool_calls") -> dict[str, Any]:
+    fn = c.get("function") if isinstance(c, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    cid = c.get("id") if isinstance(c, dict) else None
+    if isinstance(name, str) and name and isinstance(cid, str):
+        args = fn.get("arguments")
+        return {
+            "id": cid,
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": args
+                if isinstance(args, str)
+                else arguments_string(args, _call_param(i, j, field) + ".function.arguments"),
+            },
+        }
+    p = _call_param(i, j, field)
+    if not isinstance(fn, dict):
         raise bad_request(f"'{p}' must be an object with a 'function'", p)
-    fn = c["function"]
-    name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"'{p}.function.name' must be a non-empty string", p)
-    cid = c.get("id")
-    if not isinstance(cid, str):
-        raise bad_request(f"'{p}.id' must be a string", p)
-    return {
-        "id": cid,
-        "type": "function",
-        "function": {
-            "name": name,
-            "arguments": arguments_string(fn.get("arguments"), f"{p}.function.arguments"),
-        },
-    }
+    raise bad_request(f"'{p}.id' must be a string", p)
+
+
+def _call_param(i: int, j: int | None, field: str) -> str:
+    return f"messages[{i}].{field}" + (f"[{j}]" if j is not None else "")
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:

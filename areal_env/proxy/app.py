@@ -664,19 +664,16 @@ def create_app(state: ProxyState) -> FastAPI:
             usage_obj=resp_api.usage(done.prompt_tokens, done.completion_tokens),
         )
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _complete(
             request, oai.parse_request, "openai_chat", "chatcmpl-", _build_chat, _ChatStream
         )
 
-    @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await _complete(
             request, anth.parse_request, "anthropic", "msg_", _build_anthropic, _AnthropicStream
         )
 
-    @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _complete(
             request,
@@ -686,6 +683,13 @@ def create_app(state: ProxyState) -> FastAPI:
             _build_responses,
             _ResponsesStream,
         )
+
+    # The completion routes are plain Starlette routes: they take the raw request and parse it
+    # by hand anyway, so FastAPI's per-request dependency solving would be pure overhead on the
+    # agents' hot path. Errors still go through the handlers above.
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/messages", messages, methods=["POST"])
+    app.add_route("/v1/responses", responses, methods=["POST"])
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

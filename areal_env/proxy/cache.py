@@ -36,7 +36,7 @@ from typing import Any, Literal
 logger = logging.getLogger(__name__)
 
 ExportStyle = Literal["individual", "concat"]
-_RECENT_SIZE = 64  # hash states kept from find_parent for the add() that follows
+_RECENT_SIZE = 16  # hash states of new roots kept from find_parent for the add() that follows
 
 
 class SessionLimitError(ValueError):
@@ -289,21 +289,22 @@ class InteractionCache:
                 else _NO_IDS
             )
         with self._lock:
-            # add() often follows with these very messages: keep the hash state for it
+            if self._index:
+                for pos in range(len(messages) - 1, -1, -1):
+                    if messages[pos].get("role") != "assistant":
+                        continue
+                    candidates = self._index.get(keys[pos])
+                    if not candidates:
+                        continue
+                    for cid in reversed(candidates):
+                        if self._ids_match(cid, sigs, pos + 1):
+                            # add() chains from the parent's state: nothing to keep here
+                            return self._items[cid]
+            # A new root: add() usually follows with these very messages; keep the hash state
+            # for it (bounded; an entry whose add never comes is dropped oldest first).
             self._recent[id(messages)] = (messages, len(messages), h, sigs)
             while len(self._recent) > _RECENT_SIZE:
                 self._recent.pop(next(iter(self._recent)))
-            if not self._index:
-                return None
-            for pos in range(len(messages) - 1, -1, -1):
-                if messages[pos].get("role") != "assistant":
-                    continue
-                candidates = self._index.get(keys[pos])
-                if not candidates:
-                    continue
-                for cid in reversed(candidates):
-                    if self._ids_match(cid, sigs, pos + 1):
-                        return self._items[cid]
         return None
 
     def _ids_match(

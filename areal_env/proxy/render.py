@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SENTINEL = "\u2063SPLICE-SENTINEL\u2063"
-_PREFIX_CACHE_SIZE = 4096
+_PREFIX_CACHE_SIZE = 256  # siblings and retries of recent parents
 _PROBE_TOOLS = [
     {
         "type": "function",

@@ -278,11 +278,12 @@ class InteractionCache:
         skipped and the most recent is taken.
         """
         h = _hasher()
-        keys: list[bytes] = []
+        keys: dict[int, bytes] = {}  # only assistant positions can end a match
         sigs: list[tuple[tuple[str | None, ...], str | None]] = []
-        for message in messages:
+        for pos, message in enumerate(messages):
             h.update(_message_bytes(message))
-            keys.append(h.digest())
+            if message.get("role") == "assistant":
+                keys[pos] = h.digest()
             sigs.append(
                 _message_ids(message)
                 if "tool_calls" in message or "tool_call_id" in message
@@ -290,9 +291,7 @@ class InteractionCache:
             )
         with self._lock:
             if self._index:
-                for pos in range(len(messages) - 1, -1, -1):
-                    if messages[pos].get("role") != "assistant":
-                        continue
+                for pos in reversed(keys):  # insertion order is ascending: longest first
                     candidates = self._index.get(keys[pos])
                     if not candidates:
                         continue

@@ -313,7 +313,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         )
     if origin is Literal:
         choices = get_args(tp)
-        if value in choices:
+        if isinstance(value, bool):
+            # YAML 1.1 reads unquoted on/off/yes/no as booleans: map them back to the choice.
+            for word in ("on", "true", "yes") if value else ("off", "false", "no"):
+                if word in choices:
+                    return word
+        if value in choices and not isinstance(value, bool):
             return value
         raise ConfigError(
             f"{key}={value!r} is invalid; valid values: {', '.join(map(str, choices))}"

@@ -96,3 +96,13 @@ def test_generation_config_unknown_option():
         GenerationConfig.from_dict({"frequency_penalty": 1.0})
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=0)
+
+
+def test_yaml_booleans_map_back_to_literal_words(tmp_path):
+    cfg = load_config(ExperimentConfig, overrides=["trainer.recover=off"])
+    assert cfg.trainer.recover == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  recover: off\n")
+    assert load_config(ExperimentConfig, path).trainer.recover == "off"
+    with pytest.raises(ConfigError, match=r"trainer\.recover=True"):
+        load_config(ExperimentConfig, overrides=["trainer.recover=yes"])

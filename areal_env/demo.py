@@ -1,31 +1,71 @@
 """``areal-env demo`` (``make demo``): the main job — a short RL run on the embedded default model.
 
-SmolLM2-135M-Instruct on the CPU, the interception proxy, and a plain OpenAI SDK agent
-(``examples/demo/agent.py:CapitalsAgent``) that asks for a country's capital and checks the reply
-(1 = right city in at most three words, 0.5 = right city but wordy, 0 = wrong). Ten GRPO steps of
-4 prompts × 8 samples; prints where the metrics, the reward plot, the trajectory dumps and the
-checkpoint are, and the reward of the first vs the last steps.
+By default it trains ``areal_env.AenvAgent`` on the example AEnvironment calculator
+(``examples/aenv``): the demo starts the aenvironment server, SmolLM2-135M-Instruct runs on the
+CPU behind the interception proxy, the agent solves arithmetic word problems with the
+environment's ``add``/``multiply`` tools, and the environment's reward function checks the final
+answer. ``--example capitals`` runs the plain-OpenAI-SDK capitals agent (``examples/demo``)
+instead. Each run is a new trial (``demo-<timestamp>``) and prints where its metrics, reward plot,
+trajectory dumps and checkpoint are.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
 from areal_env.api.config import ExperimentConfig, load_config
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "examples" / "demo"
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_DIR = ROOT / "examples" / "demo"
+AENV_DIR = ROOT / "examples" / "aenv"
+
+
+def _trial_name() -> str:
+    return "demo-" + time.strftime("%Y%m%d-%H%M%S")
+
+
+def _run_aenv_example(steps: int | None, fileroot: str | None, overrides: list[str]) -> int:
+    """Load ``examples/aenv/train_aenv.py`` by path (examples are not a package) and run it."""
+    script = AENV_DIR / "train_aenv.py"
+    if not script.is_file():
+        print(
+            f"areal-env demo: {script} not found; the demo runs from a source checkout",
+            file=sys.stderr,
+        )
+        return 2
+    spec = importlib.util.spec_from_file_location("areal_env_demo_train_aenv", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [f"trial_name={_trial_name()}", *overrides]
+    if steps is not None:
+        argv = ["--steps", str(steps), *argv]
+    if fileroot is not None:
+        argv.append(f"fileroot={fileroot}")
+    return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="areal-env demo", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--example",
+        choices=("aenv", "capitals"),
+        default="aenv",
+        help="aenv: AenvAgent on the calculator environment (default); capitals: OpenAI SDK agent",
+    )
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: config)")
     ap.add_argument("--fileroot", default=None, help="output root (default: ./outputs)")
-    ap.add_argument("--config", default=str(DEMO_DIR / "config.yaml"))
+    ap.add_argument(
+        "--config", default=str(DEMO_DIR / "config.yaml"), help="config of --example capitals"
+    )
     ap.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = ap.parse_args(argv)
+    if args.example == "aenv":
+        return _run_aenv_example(args.steps, args.fileroot, list(args.overrides))
     config = Path(args.config)
     if not config.is_file():
         print(
@@ -34,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    overrides = list(args.overrides)
+    overrides = [f"trial_name={_trial_name()}", *args.overrides]
     if args.steps is not None:
         overrides.append(f"trainer.total_train_steps={args.steps}")
     if args.fileroot is not None:

@@ -47,6 +47,7 @@ class ModelConfig:
     max_context_len: int | None = None
     """Cap on prompt + completion tokens (default: the model's own limit)."""
     gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass (less memory, ~30% slower)."""
     num_threads: int | None = None
     """torch intra-op threads on CPU (default: torch's choice)."""
 
@@ -70,13 +71,21 @@ class SGLangConfig:
     addresses: list[str] = field(default_factory=list)
     """Already-running servers (host:port). Empty = launch ``num_servers`` ourselves."""
     num_servers: int = 1
+    """Data-parallel SGLang servers to launch."""
     tp_size: int = 1
+    """GPUs (tensor parallel) per server."""
     base_port: int = 30000
+    """Server i listens on a free port at or above base_port + 10*i."""
     host: str = "127.0.0.1"
+    """Address the launched servers bind."""
     mem_fraction_static: float | None = None
+    """Passed to sglang.launch_server (--mem-fraction-static)."""
     extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for sglang.launch_server, verbatim."""
     log_dir: str | None = None
+    """Server log folder (default: run_dir/logs/servers)."""
     startup_timeout: float = 600.0
+    """Seconds to wait for a launched server to become healthy."""
     launch_command: list[str] = field(default_factory=list)
     """Replaces ``python -m sglang.launch_server`` (e.g. ``[areal-env, serve]`` on a CPU box)."""
 
@@ -95,10 +104,13 @@ class EngineConfig:
     """local = embedded transformers engine; sglang = launch/reach SGLang servers;
     remote = reach ``areal-env serve`` (or SGLang) servers listed in ``addresses``."""
     addresses: list[str] = field(default_factory=list)
+    """host:port of inference servers for backend=remote."""
     max_batch_size: int = 32
     """Local engine: most sequences decoded together."""
     request_timeout: float = 3600.0
+    """Seconds one generation request may take."""
     max_retries: int = 3
+    """Attempts for a failed HTTP request to an inference server."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def validate(self) -> None:
@@ -115,6 +127,7 @@ class ProxyConfig:
     """The interception proxy."""
 
     host: str = "127.0.0.1"
+    """Bind address (a non-loopback address needs an explicit admin key)."""
     port: int = 0
     """0 = pick a free port."""
     admin_key: str | None = None
@@ -122,11 +135,15 @@ class ProxyConfig:
     session_ttl: float = 3600.0
     """Seconds an idle session lives."""
     max_sessions: int = 1024
+    """Most sessions open at once."""
     max_interactions_per_session: int = 512
+    """Most completions one session may record."""
     max_tokens_per_session: int = 262144
+    """Most tokens (prompt + output, all completions) one session may record."""
     tool_parser: str = "auto"
     """auto | hermes | qwen | llama3 | mistral | none."""
     default_max_tokens: int = 512
+    """Completion length when a request gives no max_tokens."""
     model_name: str | None = None
     """Name reported by /v1/models (default: model.path)."""
     initial_capacity: int | None = None
@@ -151,13 +168,19 @@ class RolloutConfig:
     batch_size: int = 4
     """Prompts per training step."""
     max_concurrent_rollouts: int = 16
+    """Most episodes running at once."""
     max_head_offpolicyness: int = 0
     """No rollout starts on weights more than this many versions behind the trainer."""
     mode: Literal["inline", "subproc"] = "inline"
+    """inline = await agent.run in the trainer's loop; subproc = worker processes (env vars)."""
     episode_timeout: float = 600.0
+    """Seconds an episode may run before it is cancelled and rejected."""
     discount: float = 1.0
+    """Reward discount per turn along the conversation tree."""
     export_style: Literal["individual", "concat"] = "individual"
+    """individual = one row per completion; concat = one row per leaf path."""
     dump_to_file: bool = True
+    """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl."""
 
     def validate(self) -> None:
         for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):
@@ -178,31 +201,47 @@ class ActorConfig:
     """The PPO update."""
 
     lr: float = 1e-5
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
     max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
     eps_clip: float = 0.2
+    """PPO clip range (lower, and upper unless eps_clip_high is set)."""
     eps_clip_high: float | None = None
+    """Upper clip range (asymmetric clipping); None = eps_clip."""
     ppo_n_minibatches: int = 2
+    """Minibatches (optimizer steps) per PPO epoch."""
     ppo_epochs: int = 1
+    """Passes over each batch."""
     group_adv_norm: bool = True
     """Subtract the group mean."""
     group_std_norm: bool = True
     """Divide by the group std (GRPO); off = Dr.GRPO-style mean-only."""
     batch_adv_norm: bool = False
+    """Normalise advantages over the whole batch as well."""
     reward_scaling: float = 1.0
+    """Rewards are (r + reward_bias) * reward_scaling, then clipped."""
     reward_bias: float = 0.0
+    """Added to every reward before scaling."""
     reward_clip: float = 20.0
+    """Rewards are clipped to [-reward_clip, reward_clip]."""
     kl_coef: float = 0.0
     """KL to the reference (initial) model; 0 = no reference model is kept."""
     entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = entropy only logged)."""
     use_decoupled_loss: bool = False
     """Recompute proximal logprobs and weight by the capped behaviour ratio (off-policy)."""
     behav_imp_weight_cap: float | None = 5.0
+    """Cap of the behaviour importance weight in the decoupled loss."""
     recompute_logprobs: bool = False
+    """Recompute old logprobs with the trainer's model instead of using the engine's."""
     temperature: float | None = None
     """Temperature used to recompute logprobs (default: gconfig.temperature)."""
     micro_batch_tokens: int = 4096
+    """Tokens per forward/backward micro-batch (gradient accumulation)."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -226,12 +265,17 @@ class TrainerConfig:
     total_train_steps: int | None = None
     """Stop after this many steps (default: one pass over the dataset per epoch)."""
     total_train_epochs: int = 1
+    """Passes over the dataset when total_train_steps is not set."""
     save_freq_steps: int | None = None
     """Checkpoint every N steps (and always at the end). None = only at the end."""
     recover: Literal["auto", "off"] = "auto"
+    """auto = resume from the trial's last checkpoint if there is one; off = start fresh."""
     eval_freq_steps: int | None = None
+    """Evaluate on valid_dataset every N steps (None = never)."""
     tensorboard: bool = True
+    """Also write metrics for TensorBoard (run_dir/tensorboard)."""
     progress: bool = True
+    """Show a progress bar."""
 
     def validate(self) -> None:
         if self.total_train_steps is not None and self.total_train_steps < 1:
@@ -249,9 +293,13 @@ class ExperimentConfig:
     """The whole configuration of a training run."""
 
     experiment_name: str = "areal-env"
+    """Name of the experiment; outputs go to fileroot/experiment_name/trial_name."""
     trial_name: str = "trial0"
+    """Name of this run of the experiment (checkpoints are resumed per trial)."""
     fileroot: str = "./outputs"
+    """Root folder of all outputs (metrics, plots, dumps, checkpoints)."""
     seed: int = 1
+    """Seed of data shuffling, sampling and initialisation."""
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -266,9 +314,11 @@ class ExperimentConfig:
     workflow: str | None = None
     """Import string of the agent/workflow (``pkg.mod:Attr`` or ``path.py:Attr``)."""
     workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the workflow/agent class."""
     train_dataset: str | None = None
     """JSONL path of the training data (when using the CLI)."""
     valid_dataset: str | None = None
+    """JSONL path of evaluation data (optional)."""
 
     @property
     def run_dir(self) -> Path:

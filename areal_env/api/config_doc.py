@@ -75,5 +75,27 @@ def render_reference(cls: type = config_module.ExperimentConfig, prefix: str = "
     return "\n".join(out)
 
 
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def update_file(path: str) -> bool:
+    """Replace the text between the markers in ``path``; True when it changed."""
+    from pathlib import Path
+
+    p = Path(path)
+    text = p.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{START}\n{render_reference()}{END}{tail}"
+    if new != text:
+        p.write_text(new)
+    return new != text
+
+
 if __name__ == "__main__":
-    print(render_reference())
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--update":
+        print("updated" if update_file(sys.argv[2]) else "up to date")
+    else:
+        print(render_reference())

@@ -22,14 +22,23 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 256
+    """Most tokens generated per completion."""
     temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
     top_k: int = 0
+    """Top-k sampling (0 = off)."""
     greedy: bool = False
+    """Pick the most likely token."""
     stop: list[str] | None = None
+    """Stop strings (the completion ends with the token that completes one)."""
     stop_token_ids: list[int] | None = None
+    """Extra stop token ids (besides the model's eos)."""
     ignore_eos: bool = False
+    """Keep generating past eos/stop tokens (benchmarks)."""
     seed: int | None = None
+    """Per-request sampling seed (reproducible whatever else is batched)."""
 
     def __post_init__(self) -> None:
         self.validate()

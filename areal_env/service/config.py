@@ -45,6 +45,7 @@ class ServiceConfig:
     health_interval: float = 5.0
     """Seconds between health probes of each proxy backend."""
     health_timeout: float = 5.0
+    """Seconds a backend health probe may take."""
     health_failures: int = 2
     """Consecutive failed probes before a backend leaves the rotation (a refused connection
     while forwarding removes it at once)."""
@@ -66,6 +67,7 @@ class ServiceConfig:
     ssl_keyfile: str | None = None
     """TLS private key (PEM) passed to uvicorn; with ``ssl_certfile`` the service speaks https."""
     ssl_certfile: str | None = None
+    """TLS certificate file (with ssl_keyfile) for HTTPS."""
 
     def validate(self) -> None:
         # Imported here so that ``areal_env.api.config`` may import this module (no cycle).

@@ -80,10 +80,20 @@ def main(argv: list[str] | None = None) -> int:
         with PPOTrainer(cfg) as trainer:
             metrics = trainer.train(workflow_kwargs=kwargs)
     elapsed = time.monotonic() - t0
-    print(f"done in {elapsed:.0f}s; run folder: {cfg.run_dir}")
-    for key in sorted(metrics):
-        if "reward" in key or key in ("step", "version"):
-            print(f"  {key}: {metrics[key]}")
+    print(
+        f"\ndone in {elapsed / 60:.1f} min ({metrics.get('step')} steps); run folder: {cfg.run_dir}"
+    )
+    first, last = metrics.get("reward/first_steps_mean"), metrics.get("reward/last_steps_mean")
+    if first is not None and last is not None:
+        print(f"  reward: first steps {first:.3f} -> last steps {last:.3f}")
+    for label, key in (
+        ("metrics (one JSON line per step)", "metrics_file"),
+        ("reward curve", "reward_plot"),
+        ("trajectory dumps", "dump_dir"),
+        ("checkpoint", "checkpoint"),
+    ):
+        if metrics.get(key):
+            print(f"  {label + ':':<34}{metrics[key]}")
     return 0
 
 

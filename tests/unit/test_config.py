@@ -106,3 +106,14 @@ def test_yaml_booleans_map_back_to_literal_words(tmp_path):
     assert load_config(ExperimentConfig, path).trainer.recover == "off"
     with pytest.raises(ConfigError, match=r"trainer\.recover=True"):
         load_config(ExperimentConfig, overrides=["trainer.recover=yes"])
+
+
+def test_readme_config_reference_is_current():
+    """README's reference is generated: `python -m areal_env.api.config_doc --update README.md`."""
+    from pathlib import Path
+
+    from areal_env.api.config_doc import END, START, render_reference
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split(START, 1)[1].split(END, 1)[0]
+    assert block.strip() == render_reference().strip()

@@ -1,8 +1,8 @@
 """``areal-env serve-training CONFIG.yaml [section.key=value ...]``: the any-agent training service.
 
 Starts the inference engine, ``service.num_proxies`` proxies on it, the public gateway and a
-trainer whose batches come from sessions that external agents finalize (an
-``ExternalTrajectorySource`` instead of a dataset), then prints one line with the URL users
+``PPOTrainer`` whose batches come from sessions that external agents finalize (an
+``ExternalTrajectorySource`` passed as its executor instead of a dataset), then prints one line with the URL users
 point ``OPENAI_BASE_URL`` at (plus ``/v1``).
 """
 
@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -169,113 +168,43 @@ class TrainingService:
         self.stop()
 
 
-def _push_weights(engine: Any, actor: Any, run_dir: Path, step: int) -> None:
-    if getattr(engine, "supports_state_dict_update", False):
-        engine.update_weights(actor.state_dict_for_engine())
-        return
-    folder = run_dir / "weights_push" / f"step_{step}"
-    actor.model.save_pretrained(str(folder), safe_serialization=True)
-    engine.update_weights(str(folder))
-
-
-async def run_training(
-    cfg: ExperimentConfig, engine: Any, source: Any, *, tokenizer: Any = None
-) -> dict[str, Any]:
-    """A minimal trainer loop on the external source: batch → PPO update → push → version + 1.
-
-    Until ``PPOTrainer`` takes a batch source, this is the service's trainer; it uses the same
-    actor, metrics and checkpoint layout (``run_dir/checkpoints/step_N/model``) as PPOTrainer,
-    so ``areal-env serve`` finds what it saved.
+async def _train(cfg: ExperimentConfig, svc: TrainingService) -> dict[str, Any] | None:
+    """``PPOTrainer`` on the service's trajectory source and engine, until ``total_train_steps``
+    or a signal: the first SIGINT/SIGTERM closes the source (the current step finishes and is
+    checkpointed), a second one cancels at once. Returns the final metrics (None if cancelled).
     """
-    from areal_env.engine.models import resolve_model_path
-    from areal_env.trainer.actor import PPOActor
-    from areal_env.trainer.stats import MetricsLogger, dump_records, plot_reward_curve
+    from areal_env.trainer.ppo import PPOTrainer
 
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = str(
-        getattr(engine, "model_path", None)
-        or resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    )
-    actor = await asyncio.to_thread(
-        PPOActor,
-        model_path,
-        cfg.actor,
-        cfg.model,
-        temperature=cfg.gconfig.temperature,
-        seed=cfg.seed,
-    )
-    metrics_logger = MetricsLogger(run_dir, tensorboard=cfg.trainer.tensorboard)
-    version = int(engine.get_version())
-    source.set_version(version)
-    total = cfg.trainer.total_train_steps
-    step = 0
-    last: dict[str, Any] = {}
+    trainer = PPOTrainer(cfg, executor=svc.source, engine=svc.engine)
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(trainer.atrain())
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            logger.info("interrupted: finishing the current step, then shutting down")
+            svc.source.close()
+        else:
+            task.cancel()
+
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform
+            pass
     try:
-        while total is None or step < total:
-            t0 = time.perf_counter()
-            batch, rstats = await source.rollout_batch(trainer_version=version)
-            metrics: dict[str, Any] = {**rstats, "time/rollout_s": time.perf_counter() - t0}
-            if batch is None or int(batch["loss_mask"].sum()) == 0:
-                metrics["actor/update_skipped"] = 1.0
-            else:
-                metrics.update(await asyncio.to_thread(actor.update, batch, step=step))
-            if cfg.rollout.dump_to_file and source.last_episodes:
-                dump_records(run_dir / "rollout", _episode_records(source.last_episodes, version))
-            if not metrics.get("actor/update_skipped"):  # as PPOTrainer: no signal, no push
-                await asyncio.to_thread(_push_weights, engine, actor, run_dir, step)
-                version += 1
-                engine.set_version(version)
-                source.set_version(version)
-            step += 1
-            metrics["version"] = version
-            metrics["time/step_s"] = time.perf_counter() - t0
-            last = metrics
-            metrics_logger.log(step, metrics)
-            plot_reward_curve(metrics_logger.read(), run_dir / "reward_curve.png")
-            logger.info(
-                "step %d: reward %.3f over %d trajectories, weights version %d",
-                step,
-                rstats.get("reward/mean", 0.0),
-                int(rstats.get("episodes/accepted", 0)),
-                version,
-            )
-            freq = cfg.trainer.save_freq_steps
-            if freq and step % freq == 0:
-                await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
+        return await task
+    except asyncio.CancelledError:
+        logger.info("interrupted: shutting down")
+        return None
     finally:
-        if step and not (cfg.trainer.save_freq_steps and step % cfg.trainer.save_freq_steps == 0):
-            await asyncio.to_thread(_save, actor, tokenizer, run_dir, step, version)
-        metrics_logger.close()
-    return {"steps": step, "version": version, **last}
-
-
-def _episode_records(episodes: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
-    """One dump line per finished session (no token ids: the tensors are in the batch)."""
-    keep = ("session_id", "group_id", "group_key", "task_id", "user", "final_reward", "metadata")
-    out = []
-    for ep in episodes:
-        rec = {k: ep.get(k) for k in keep}
-        rec["task_id"] = ep.get("task_id") or ep.get("group_key") or "external"
-        rec["version"] = version
-        rec["interactions"] = ep.get("interactions", [])
-        rec["stats"] = ep.get("stats", {})
-        out.append(rec)
-    return out
-
-
-def _save(actor: Any, tokenizer: Any, run_dir: Path, step: int, version: int) -> Path:
-    from areal_env.trainer.checkpoint import save_checkpoint
-
-    return save_checkpoint(
-        run_dir / "checkpoints",
-        step,
-        model=actor.model,
-        tokenizer=tokenizer,
-        optimizer=actor.optimizer,
-        trainer_state={"version": version, "mode": "service"},
-        keep_last=3,
-    )
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        trainer.close()  # metrics files; the engine stays with the service
 
 
 def _write_secret(path: Path, value: str) -> None:
@@ -296,20 +225,11 @@ async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
             print(f"service admin key (issues user keys) written to {key_path}", flush=True)
         if svc.gateway.gateway.open_mode:
             print("no user keys configured: any API key is accepted (loopback only)", flush=True)
-        loop = asyncio.get_running_loop()
-        train = asyncio.create_task(
-            run_training(cfg, svc.engine, svc.source, tokenizer=_tokenizer_of(svc.engine, cfg))
-        )
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, train.cancel)
-            except (NotImplementedError, RuntimeError):  # not the main thread / platform
-                pass
-        try:
-            result = await train
-            logger.info("training finished: %s", {k: result[k] for k in ("steps", "version")})
-        except asyncio.CancelledError:
-            logger.info("interrupted: shutting down")
+        result = await _train(cfg, svc)
+        if result is not None:
+            logger.info(
+                "training finished: step %s, version %s", result.get("step"), result.get("version")
+            )
         return 0
     finally:
         await asyncio.to_thread(svc.stop)

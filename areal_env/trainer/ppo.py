@@ -13,6 +13,13 @@ One training step:
 
 A batch where every episode was rejected skips the update (logged as ``update_skipped``) and
 training goes on. The trainer's model copy is separate from the engine's.
+
+External batch source: ``PPOTrainer(cfg, executor=source, engine=engine)`` takes batches from an
+executor-like object (e.g. the any-agent service's ``ExternalTrajectorySource``) instead of a
+dataset + workflow: no data loader, no proxy or executor of its own; step 1 becomes
+``executor.rollout_batch(None, trainer_version=v)`` (``next_batch`` when prefetching). Everything
+else — recover, metrics, dumps, plot, checkpoints — is the same loop. A passed-in engine is
+pushed to but never destroyed (its owner does that).
 """
 
 from __future__ import annotations
@@ -44,15 +51,32 @@ class PPOTrainer:
 
     ``with PPOTrainer(cfg, dataset) as t: t.train(workflow="my_agent.py:Agent")``. The dataset is
     a list of dicts, a JSONL path or a ``datasets.Dataset`` (default: ``cfg.train_dataset``).
+
+    ``executor``: an external batch source with ``RolloutExecutor``'s interface
+    (``rollout_batch(None, trainer_version=v)``, ``next_batch``, ``set_version``,
+    ``last_episodes``, ``aclose``); then no dataset or workflow is used and training runs to
+    ``trainer.total_train_steps`` (``None``: until the source is closed). ``engine``: an
+    initialized engine to generate with and push weights to; the caller keeps ownership.
     """
 
     def __init__(
-        self, config: ExperimentConfig, train_dataset: Any = None, valid_dataset: Any = None
+        self,
+        config: ExperimentConfig,
+        train_dataset: Any = None,
+        valid_dataset: Any = None,
+        *,
+        executor: Any = None,
+        engine: Any = None,
     ) -> None:
         validate_config(config)
         self.config = config
-        dataset = train_dataset if train_dataset is not None else config.train_dataset
-        self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
+        self.external = executor is not None
+        self.data: DataLoader | None = None
+        if not self.external:
+            dataset = train_dataset if train_dataset is not None else config.train_dataset
+            self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
+        elif train_dataset is not None:
+            raise ValueError("pass either a train_dataset or an external executor, not both")
         self.valid_items = None
         valid = valid_dataset if valid_dataset is not None else config.valid_dataset
         if valid is not None:
@@ -61,11 +85,12 @@ class PPOTrainer:
             self.valid_items = list(load_items(valid))
         self.run_dir = Path(config.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.engine: Any = None
+        self.engine: Any = engine
+        self._own_engine = engine is None
         self.proxy: Any = None
         self.actor: Any = None
         self.tokenizer: Any = None
-        self.executor: Any = None
+        self.executor: Any = executor
         self.metrics: MetricsLogger | None = None
         self.step = 0
         self.version = 0
@@ -81,7 +106,7 @@ class PPOTrainer:
         self.close()
 
     def close(self) -> None:
-        """Stop the proxy and the engine (idempotent)."""
+        """Stop the proxy and the engine (idempotent); a passed-in engine is left running."""
         if self._closed:
             return
         self._closed = True
@@ -91,7 +116,7 @@ class PPOTrainer:
             except Exception as e:
                 logger.warning("stopping the proxy failed: %s", e)
             self.proxy = None
-        if self.engine is not None:
+        if self.engine is not None and self._own_engine:
             try:
                 self.engine.destroy()
             except Exception as e:
@@ -101,10 +126,14 @@ class PPOTrainer:
             self.metrics.close()
 
     @property
-    def total_steps(self) -> int:
+    def total_steps(self) -> int | None:
+        """Steps to train; ``None`` only with an external source and no ``total_train_steps``
+        (train until the source is closed)."""
         t = self.config.trainer
         if t.total_train_steps is not None:
             return t.total_train_steps
+        if self.data is None:
+            return None
         return t.total_train_epochs * len(self.data)
 
     # -- training ---------------------------------------------------------------------------
@@ -149,7 +178,10 @@ class PPOTrainer:
         """The training loop (async form of ``train``)."""
         cfg = self.config
         wf_spec = workflow if workflow is not None else cfg.workflow
-        if wf_spec is None:
+        if self.external:
+            if workflow is not None or eval_workflow is not None:
+                raise ValueError("an external executor brings its own batches: pass no workflow")
+        elif wf_spec is None:
             raise ValueError(
                 "no workflow: pass train(workflow=...) or set `workflow` in the config"
             )
@@ -159,31 +191,35 @@ class PPOTrainer:
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
         await asyncio.to_thread(self._setup_models)
         restored = await asyncio.to_thread(self._maybe_recover)
+        if not restored and not self._own_engine:
+            # A passed-in engine may already have moved on; its tokens carry that version.
+            self.version = int(getattr(self.engine, "get_version", lambda: 0)() or 0)
         self.metrics.truncate_after(self.step if restored else 0)
         self._drop_stale_dumps(self.version - 1 if restored else -1)
-        self._start_proxy()
-        from areal_env.workflow.executor import RolloutExecutor
-        from areal_env.workflow.resolve import resolve_workflow
+        if not self.external:
+            self._start_proxy()
+            from areal_env.workflow.executor import RolloutExecutor
+            from areal_env.workflow.resolve import resolve_workflow
 
-        wf = resolve_workflow(
-            wf_spec,
-            wf_kwargs,
-            rollout=cfg.rollout,
-            proxy_base_url=self.proxy.base_url,
-            admin_key=self.proxy.admin_key,
-        )
-        self.executor = RolloutExecutor(
-            self.engine,
-            wf,
-            cfg.rollout,
-            proxy_base_url=self.proxy.base_url,
-            admin_key=self.proxy.admin_key,
-            show_progress=cfg.trainer.progress,
-        )
-        await self._open_capacity_if_unmanaged()
+            wf = resolve_workflow(
+                wf_spec,
+                wf_kwargs,
+                rollout=cfg.rollout,
+                proxy_base_url=self.proxy.base_url,
+                admin_key=self.proxy.admin_key,
+            )
+            self.executor = RolloutExecutor(
+                self.engine,
+                wf,
+                cfg.rollout,
+                proxy_base_url=self.proxy.base_url,
+                admin_key=self.proxy.admin_key,
+                show_progress=cfg.trainer.progress,
+            )
+            await self._open_capacity_if_unmanaged()
         self.executor.set_version(self.version)
         eval_executor = None
-        if eval_workflow is not None and self.valid_items:
+        if eval_workflow is not None and self.valid_items and not self.external:
             ewf = resolve_workflow(
                 eval_workflow,
                 wf_kwargs,
@@ -200,20 +236,34 @@ class PPOTrainer:
                 show_progress=False,
             )
         total = self.total_steps
-        progress = Progress(total, initial=self.step, enabled=cfg.trainer.progress)
+        progress = Progress(total, initial=self.step, enabled=cfg.trainer.progress)  # type: ignore[arg-type]
         logger.info(
-            "training %d steps (from step %d, version %d); run dir %s",
-            total,
+            "training %s steps (from step %d, version %d); run dir %s",
+            total if total is not None else "unlimited",
             self.step,
             self.version,
             self.run_dir,
         )
         prefetch = cfg.rollout.max_head_offpolicyness > 0
         pending_items: list[dict[str, Any]] | None = None
+        saved_step = self.step
         try:
-            while self.step < total:
+            while total is None or self.step < total:
                 t_step = time.perf_counter()
-                if prefetch:
+                data_state: dict[str, Any] | None = None
+                if self.external:
+                    try:
+                        batch, rstats = await self._external_batch(prefetch)
+                    except Exception as e:
+                        if not _source_closed(e):
+                            raise
+                        logger.info(
+                            "the batch source was closed: training stops at step %d", self.step
+                        )
+                        if self.step > saved_step:  # keep what was trained
+                            await asyncio.to_thread(self._save_checkpoint)
+                        break
+                elif prefetch:
                     if pending_items is None:
                         pending_items = self.data.next_batch()
                         for it in pending_items:
@@ -256,7 +306,8 @@ class PPOTrainer:
                     self._dump(records, dumped_version, self.step + 1)
                 self.step += 1
                 # Position after this step; in prefetch mode the batch drawn ahead is not counted.
-                self._data_state = data_state
+                if data_state is not None:
+                    self._data_state = data_state
                 if (
                     eval_executor is not None
                     and cfg.trainer.eval_freq_steps
@@ -266,8 +317,9 @@ class PPOTrainer:
                 step_s = time.perf_counter() - t_step
                 metrics["time/step_s"] = step_s
                 metrics["version"] = self.version
-                metrics["data/epoch"] = data_state["epoch"]
-                metrics["data/batch_index"] = data_state["batch_index"]
+                if data_state is not None:
+                    metrics["data/epoch"] = data_state["epoch"]
+                    metrics["data/batch_index"] = data_state["batch_index"]
                 if metrics.get("tokens/total"):
                     metrics["perf/tokens_per_s"] = metrics["tokens/total"] / step_s
                 self.metrics.log(self.step, metrics)
@@ -277,6 +329,7 @@ class PPOTrainer:
                 freq = cfg.trainer.save_freq_steps
                 if self.step == total or (freq and self.step % freq == 0):
                     await asyncio.to_thread(self._save_checkpoint)
+                    saved_step = self.step
         finally:
             progress.close()
             await self.executor.aclose()
@@ -302,6 +355,14 @@ class PPOTrainer:
         return final
 
     # -- pieces -----------------------------------------------------------------------------
+
+    async def _external_batch(self, prefetch: bool) -> tuple[Any, dict[str, Any]]:
+        """One batch from the external source (it picks its own data; no items are passed)."""
+        if prefetch and hasattr(self.executor, "next_batch"):
+            return await self.executor.next_batch(
+                trainer_version=self.version, batch_size=self.config.rollout.batch_size
+            )
+        return await self.executor.rollout_batch(None, trainer_version=self.version)
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -358,17 +419,18 @@ class PPOTrainer:
         )
         self.step = int(state["step"])
         self.version = int(state.get("version", self.step))
-        self.data.load_state_dict(state["data"])
+        if self.data is not None:
+            self.data.load_state_dict(state["data"])
         self.actor.update_count = int(state.get("update_count", self.step))
         if self.version > 0:
             self._push_weights(self.version)
+        position = (
+            f"data position epoch {self.data.epoch} batch {self.data.batch_index}"
+            if self.data is not None
+            else "external batch source"
+        )
         logger.info(
-            "recovered from %s: step %d, version %d, data position epoch %d batch %d",
-            found,
-            self.step,
-            self.version,
-            self.data.epoch,
-            self.data.batch_index,
+            "recovered from %s: step %d, version %d, %s", found, self.step, self.version, position
         )
         return True
 
@@ -417,10 +479,12 @@ class PPOTrainer:
         engine.set_version(new_version)
 
     def _save_checkpoint(self) -> Path:
-        data_state = getattr(self, "_data_state", None) or self.data.state_dict()
+        data_state = getattr(self, "_data_state", None)
+        if data_state is None and self.data is not None:
+            data_state = self.data.state_dict()
         state = {
             "version": self.version,
-            "epoch": data_state["epoch"],
+            "epoch": data_state["epoch"] if data_state else 0,
             "data": data_state,
             "update_count": self.actor.update_count,
             "experiment_name": self.config.experiment_name,
@@ -438,8 +502,12 @@ class PPOTrainer:
         )
 
     def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:
-        """One line per completion (or per rejected episode) into rollout/{version}/{task}.jsonl."""
+        """One line per completion (or per rejected episode) into rollout/{version}/{task}.jsonl;
+        with an external source, one line per finished session (its completions nested)."""
         lines: list[dict[str, Any]] = []
+        if self.external:
+            lines = [_external_dump_line(rec, version, step) for rec in records]
+            records = []
         for rec in records:
             task = rec.get("task_id")
             if task is None:  # the data loader gives every item an id; a workflow may not keep it
@@ -488,3 +556,37 @@ class PPOTrainer:
         ]
         _, stats = await executor.rollout_batch(items, trainer_version=self.version)
         return {f"eval/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
+
+
+_EXTERNAL_DUMP_KEYS = (
+    "session_id",
+    "group_id",
+    "group_key",
+    "task_id",
+    "user",
+    "status",
+    "final_reward",
+    "metadata",
+    "interactions",
+    "stats",
+)
+
+
+def _external_dump_line(rec: dict[str, Any], version: int, step: int) -> dict[str, Any]:
+    """A finished external session for the dump: its metadata and completions (the token rows
+    are left out: they are training data, not something to read)."""
+    line = {k: rec.get(k) for k in _EXTERNAL_DUMP_KEYS}
+    line["task_id"] = rec.get("task_id") or rec.get("group_key") or "external"
+    line["interactions"] = rec.get("interactions") or []
+    line["version"] = version
+    line["step"] = step
+    return line
+
+
+def _source_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` says the external batch source was closed (a normal way to stop)."""
+    try:
+        from areal_env.service.source import SourceClosedError
+    except ImportError:  # pragma: no cover - the service package ships with the trainer
+        return False
+    return isinstance(exc, SourceClosedError)

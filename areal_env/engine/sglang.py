@@ -20,6 +20,7 @@ Protocol used (SGLang's ``http_server.py``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -478,6 +479,27 @@ class SGLangEngine:
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate a completion; aborted segments (pause / weight update) are continued."""
+        final: ModelResponse | None = None
+        async for chunk in self._generate_segments(req, stream=False):
+            final = chunk.final
+        assert final is not None  # the segment loop always ends with the final chunk
+        return final
+
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """Stream tokens via SGLang's SSE (``stream: true``), continuing aborted segments."""
+        async with contextlib.aclosing(self._generate_segments(req, stream=True)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _generate_segments(
+        self, req: ModelRequest, *, stream: bool
+    ) -> AsyncIterator[StreamChunk]:
+        """The abort/resubmit loop shared by ``agenerate`` and ``agenerate_stream``.
+
+        Each segment is one /generate (SSE when ``stream``); a segment aborted by a pause or a
+        weight update is re-submitted with the tokens so far, after the pause. Yields a chunk
+        per batch of new tokens, then one chunk with ``final`` set.
+        """
         if self._destroyed:
             raise EngineUnavailableError("SGLangEngine was destroyed")
         req.gconfig.validate()
@@ -497,77 +519,25 @@ class SGLangEngine:
             await self._wait_resumed()
             payload = self._payload(req, tokens, remaining, n)
             n += 1
-            _, out = await self._post_generate(req, payload)
-            new_ids, new_lps, meta = _parse_generate_output(out)
-            if new_ids and not tokens:
-                ttft = time.perf_counter() - start
-            tokens += new_ids
-            logprobs += new_lps
-            versions += self._versions(meta, len(new_ids))
+            seg_start = len(tokens)
+            meta: dict = {}
+            async for delta in self._segment_deltas(req, payload, stream):
+                new_ids, new_lps, new_versions, meta = delta
+                if not new_ids:
+                    continue
+                if not tokens:
+                    ttft = time.perf_counter() - start
+                tokens += new_ids
+                logprobs += new_lps
+                versions += new_versions
+                yield StreamChunk(token_ids=new_ids, logprobs=new_lps, versions=new_versions)
             stop_reason = _stop_reason(meta.get("finish_reason"))
             if stop_reason != "abort":
                 break
             # Aborted (pause / weight update): continue from the tokens so far after the pause.
-            empty_aborts = 0 if new_ids else empty_aborts + 1
-            if empty_aborts > self.max_abort_resubmits:
-                logger.warning("request %s aborted %d times without progress", req.rid, n)
-                break
-            if self._resumed.is_set():
-                await asyncio.sleep(min(0.05 * empty_aborts, 1.0))
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
-            output_tokens=tokens,
-            output_logprobs=logprobs,
-            output_versions=versions,
-            stop_reason=stop_reason,  # type: ignore[arg-type]
-            latency=time.perf_counter() - start,
-            ttft=ttft,
-            rid=req.rid,
-        )
-
-    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
-        """Stream tokens via SGLang's SSE (``stream: true``), continuing aborted segments."""
-        if self._destroyed:
-            raise EngineUnavailableError("SGLangEngine was destroyed")
-        req.gconfig.validate()
-        start = time.perf_counter()
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        ttft = 0.0
-        stop_reason = "length"
-        empty_aborts = 0
-        n = 0
-        while True:
-            remaining = req.gconfig.max_new_tokens - len(tokens)
-            if remaining <= 0:
-                stop_reason = "length"
-                break
-            await self._wait_resumed()
-            payload = self._payload(req, tokens, remaining, n)
-            payload["stream"] = True
-            n += 1
-            seg_start = len(tokens)
-            meta: dict = {}
-            async for out in self._stream_segment(req, payload):
-                seg_ids, seg_lps, meta = _parse_generate_output(out)
-                skip = stream_skip(len(tokens) - seg_start, len(seg_ids), meta)
-                if skip < 0:
-                    raise EngineUnavailableError(f"stream for {req.rid} skipped tokens")
-                if len(seg_ids) > skip:
-                    new_ids, new_lps = seg_ids[skip:], seg_lps[skip:]
-                    new_versions = self._versions(meta, len(seg_ids))[skip:]
-                    if not tokens:
-                        ttft = time.perf_counter() - start
-                    tokens += new_ids
-                    logprobs += new_lps
-                    versions += new_versions
-                    yield StreamChunk(token_ids=new_ids, logprobs=new_lps, versions=new_versions)
-            stop_reason = _stop_reason(meta.get("finish_reason"))
-            if stop_reason != "abort":
-                break
             empty_aborts = 0 if len(tokens) > seg_start else empty_aborts + 1
             if empty_aborts > self.max_abort_resubmits:
+                logger.warning("request %s aborted %d times without progress", req.rid, n)
                 break
             if self._resumed.is_set():
                 await asyncio.sleep(min(0.05 * empty_aborts, 1.0))
@@ -582,6 +552,28 @@ class SGLangEngine:
             rid=req.rid,
         )
         yield StreamChunk(token_ids=[], logprobs=[], versions=[], final=final)
+
+    async def _segment_deltas(
+        self, req: ModelRequest, payload: dict, stream: bool
+    ) -> AsyncIterator[tuple[list[int], list[float], list[int], dict]]:
+        """One segment's new (ids, logprobs, versions, meta_info): a single answer, or the SSE
+        events with the tokens already received (cumulative events) dropped."""
+        if not stream:
+            _, out = await self._post_generate(req, payload)
+            ids, lps, meta = _parse_generate_output(out)
+            yield ids, lps, self._versions(meta, len(ids)), meta
+            return
+        payload["stream"] = True
+        have = 0
+        async for out in self._stream_segment(req, payload):
+            seg_ids, seg_lps, meta = _parse_generate_output(out)
+            skip = stream_skip(have, len(seg_ids), meta)
+            if skip < 0:
+                raise EngineUnavailableError(f"stream for {req.rid} skipped tokens")
+            new_versions = self._versions(meta, len(seg_ids))[skip:] if len(seg_ids) > skip else []
+            new_ids = seg_ids[skip:]
+            have += len(new_ids)
+            yield new_ids, seg_lps[skip:], new_versions, meta
 
     async def _stream_segment(self, req: ModelRequest, payload: dict) -> AsyncIterator[dict]:
         """One SSE /generate. Opening the stream is retried (with failover for a fresh request);

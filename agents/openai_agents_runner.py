@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
 from areal_env.infra.aenv.config import AenvConfig
 from areal_env.infra.aenv.episode import (
-    EnvironmentPool,
+    EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
-    make_config,
-    resolve_reward_fn,
-    sampling_kwargs,
+    logged_tool_call,
 )
-from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +37,7 @@ class ToolErrorRaised(RuntimeError):
     """A tool reported an error and ``tool_error_policy`` is ``raise``."""
 
 
-class RunnerAgent:
+class RunnerAgent(EnvAgentBase):
     """Agents SDK agent over an AEnvironment; ``async def run(data, **kw) -> float``.
 
     Args mirror ``areal_env.AenvAgent``: ``aenv_config``, ``aenv_urls``, ``max_turns``,
@@ -66,17 +62,19 @@ class RunnerAgent:
         model: str | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
-        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
-        self.pool = EnvironmentPool(self.config, aenv_urls)
-        self.max_turns = max_turns
-        self.system_prompt = system_prompt
-        self.reward_fn = resolve_reward_fn(reward_fn)
-        self.sampling = sampling_kwargs(
-            gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens
+        super().__init__(
+            aenv_config,
+            aenv_urls=aenv_urls,
+            max_turns=max_turns,
+            system_prompt=system_prompt,
+            reward_fn=reward_fn,
+            gconfig=gconfig,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            tool_error_policy=tool_error_policy,
+            model=model,
         )
-        self.model = model
         self.first_turn_tool_choice = first_turn_tool_choice
 
     # ------------------------------------------------------------------------------------------
@@ -91,19 +89,16 @@ class RunnerAgent:
 
         def make_invoke(openai_name: str) -> Callable[[Any, str], Any]:
             async def invoke(_ctx: Any, raw_args: str) -> str:
-                entry: dict[str, Any] = {"name": openai_name, "arguments": None, "is_error": True}
-                tool_log.append(entry)
-                try:
-                    args = parse_tool_arguments(raw_args)
-                except ToolArgumentsError as e:
-                    text = f"Error: {e}"
-                else:
-                    entry["arguments"] = args
-                    # transport failures (AenvToolCallError) propagate: the episode is rejected
-                    result = await env.call_tool(name_map[openai_name], args)
-                    entry["is_error"] = result.is_error
-                    text = f"Error: {result.text}" if result.is_error else result.text
-                entry["result"] = text
+                # transport failures (AenvToolCallError) propagate: the episode is rejected
+                entry = await logged_tool_call(
+                    env,
+                    name_map,
+                    openai_name,
+                    raw_args,
+                    tool_log,
+                    unknown_text=f"Error: unknown tool {openai_name!r}",
+                )
+                text = entry["result"]
                 if entry["is_error"] and self.config.tool_error_policy == "raise":
                     raise ToolErrorRaised(f"tool call {openai_name!r} failed: {text}")
                 return text
@@ -123,8 +118,6 @@ class RunnerAgent:
 
     async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
         """One episode: ``Runner.run`` with the environment's tools; returns the reward."""
-        from openai import AsyncOpenAI
-
         from agents import (
             Agent,
             ItemHelpers,
@@ -136,16 +129,7 @@ class RunnerAgent:
             Runner,
         )
 
-        http_client = extra_kwargs.get("http_client")
-        client = AsyncOpenAI(
-            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
-            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
-            http_client=http_client,
-            max_retries=0,
-        )
-        model_name = (
-            extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
-        )
+        model_name = self.model_name(extra_kwargs)
         settings = ModelSettings(
             temperature=self.sampling.get("temperature"),
             top_p=self.sampling.get("top_p"),
@@ -153,7 +137,7 @@ class RunnerAgent:
             tool_choice=_sdk_tool_choice(self.first_turn_tool_choice),
         )
         messages = initial_messages(data, None)
-        try:
+        async with self.openai_client(extra_kwargs) as client:
             async with self.pool.adapter() as env:
                 tools, name_map = await env.openai_tools()
                 tool_log: list[dict[str, Any]] = []
@@ -185,9 +169,6 @@ class RunnerAgent:
                 transcript = [*messages, *(_item_dict(i) for i in items)]
                 outcome = EpisodeOutcome(data, final_answer, transcript, tool_log)
                 return await compute_reward(outcome, env, self.reward_fn)
-        finally:
-            if http_client is None:
-                await client.close()
 
 
 def _sdk_tool_choice(choice: str | dict[str, Any] | None) -> str | None:

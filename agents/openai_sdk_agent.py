@@ -10,24 +10,18 @@ Completions.)
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from typing import Any
 
-from areal_env.infra.aenv.config import AenvConfig
 from areal_env.infra.aenv.episode import (
-    EnvironmentPool,
+    EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
-    make_config,
-    resolve_reward_fn,
-    sampling_kwargs,
+    logged_tool_call,
 )
-from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
 
 
-class ResponsesAgent:
+class ResponsesAgent(EnvAgentBase):
     """``async def run(data, **kw) -> float`` with the OpenAI Responses API.
 
     Options: ``aenv_config``, ``aenv_urls``, ``max_turns``, ``system_prompt`` (sent as
@@ -36,44 +30,12 @@ class ResponsesAgent:
     ``model``.
     """
 
-    def __init__(
-        self,
-        aenv_config: AenvConfig | dict[str, Any] | None = None,
-        *,
-        aenv_urls: list[str] | None = None,
-        max_turns: int = 3,
-        system_prompt: str | None = None,
-        reward_fn: Callable[..., Any] | str | None = None,
-        gconfig: Any = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        max_tokens: int | None = None,
-        tool_error_policy: str | None = None,
-        model: str | None = None,
-    ) -> None:
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
-        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
-        self.pool = EnvironmentPool(self.config, aenv_urls)
-        self.max_turns = max_turns
-        self.system_prompt = system_prompt
-        self.reward_fn = resolve_reward_fn(reward_fn)
-        s = sampling_kwargs(gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        self.sampling = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in s.items()}
-        self.model = model
+    # the Responses API calls the output token limit max_output_tokens
+    max_tokens_param = "max_output_tokens"
 
     async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
-        from openai import AsyncOpenAI
-
-        http_client = extra_kwargs.get("http_client")
-        client = AsyncOpenAI(
-            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
-            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
-            http_client=http_client,
-            max_retries=0,
-        )
-        model = extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
-        try:
+        model = self.model_name(extra_kwargs)
+        async with self.openai_client(extra_kwargs) as client:
             async with self.pool.adapter() as env:
                 chat_tools, name_map = await env.openai_tools()
                 tools = [{"type": "function", "strict": False, **t["function"]} for t in chat_tools]
@@ -106,26 +68,17 @@ class ResponsesAgent:
                         )
                 outcome = EpisodeOutcome(data, final_answer, items, tool_log)
                 return await compute_reward(outcome, env, self.reward_fn)
-        finally:
-            if http_client is None:
-                await client.close()
 
     async def _run_tool(self, env: Any, name_map: dict[str, str], call: Any, log: list) -> str:
-        entry: dict[str, Any] = {"name": call.name, "arguments": None, "is_error": True}
-        log.append(entry)
-        if call.name not in name_map:
-            text = f"Error: unknown tool {call.name!r}; available: {', '.join(name_map)}"
-        else:
-            try:
-                args = parse_tool_arguments(call.arguments)
-            except ToolArgumentsError as e:
-                text = f"Error: {e}"
-            else:
-                entry["arguments"] = args
-                result = await env.call_tool(name_map[call.name], args)
-                entry["is_error"] = result.is_error
-                text = f"Error: {result.text}" if result.is_error else result.text
-        entry["result"] = text
+        entry = await logged_tool_call(
+            env,
+            name_map,
+            call.name,
+            call.arguments,
+            log,
+            unknown_text=f"Error: unknown tool {call.name!r}; available: {', '.join(name_map)}",
+        )
+        text = entry["result"]
         if entry["is_error"] and self.config.tool_error_policy == "raise":
             raise RuntimeError(f"tool call {call.name!r} failed: {text}")
         return text

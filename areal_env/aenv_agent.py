@@ -19,22 +19,18 @@ rejects the episode (training goes on without it).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
 from areal_env.infra.aenv.config import AenvConfig
 from areal_env.infra.aenv.episode import (
-    EnvironmentPool,
+    EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
-    make_config,
-    resolve_reward_fn,
-    sampling_kwargs,
+    logged_tool_call,
 )
-from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +44,7 @@ class ToolErrorRaised(RuntimeError):
     """A tool reported an error and ``tool_error_policy`` is ``raise``: the episode is aborted."""
 
 
-class AenvAgent:
+class AenvAgent(EnvAgentBase):
     """Multi-turn tool-calling agent over an AEnvironment (``async def run(data, **kw) -> float``).
 
     Args:
@@ -85,17 +81,19 @@ class AenvAgent:
         tool_choice: str | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
-        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
-        self.pool = EnvironmentPool(self.config, aenv_urls)
-        self.max_turns = max_turns
-        self.system_prompt = system_prompt
-        self.reward_fn = resolve_reward_fn(reward_fn)
-        self.sampling = sampling_kwargs(
-            gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens
+        super().__init__(
+            aenv_config,
+            aenv_urls=aenv_urls,
+            max_turns=max_turns,
+            system_prompt=system_prompt,
+            reward_fn=reward_fn,
+            gconfig=gconfig,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            tool_error_policy=tool_error_policy,
+            model=model,
         )
-        self.model = model
         self.tool_choice = tool_choice
         self.first_turn_tool_choice = first_turn_tool_choice
 
@@ -106,23 +104,11 @@ class AenvAgent:
         ``extra_kwargs``: ``base_url``, ``api_key``, ``http_client`` (injected by the training
         workflow; else ``OPENAI_BASE_URL``/``OPENAI_API_KEY``), ``model``.
         """
-        from openai import AsyncOpenAI
-
-        http_client = extra_kwargs.get("http_client")
-        client = AsyncOpenAI(
-            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
-            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
-            http_client=http_client,
-            max_retries=0,  # a retried completion would be recorded twice by the proxy
-        )
-        model = extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
-        try:
+        model = self.model_name(extra_kwargs)
+        async with self.openai_client(extra_kwargs) as client:
             async with self.open_environment(data) as env:
                 outcome = await self._episode(client, model, env, data)
                 reward = await compute_reward(outcome, env, self.reward_fn)
-        finally:
-            if http_client is None:
-                await client.close()
         logger.debug("episode done: reward=%s answer=%r", reward, outcome.final_answer[:80])
         return reward
 
@@ -179,21 +165,17 @@ class AenvAgent:
         tool_log: list[dict[str, Any]],
     ) -> dict[str, Any]:
         name = call.function.name
-        entry: dict[str, Any] = {"name": name, "arguments": None, "is_error": True}
-        tool_log.append(entry)
-        if name not in name_map:
-            text = f"Error: unknown tool {name!r}; available tools: {', '.join(name_map) or 'none'}"
-        else:
-            try:
-                args = parse_tool_arguments(call.function.arguments)
-            except ToolArgumentsError as e:
-                text = f"Error: {e}"
-            else:
-                entry["arguments"] = args
-                result = await env.call_tool(name_map[name], args)
-                entry["is_error"] = result.is_error
-                text = f"Error: {result.text}" if result.is_error else result.text
-        entry["result"] = text
+        entry = await logged_tool_call(
+            env,
+            name_map,
+            name,
+            call.function.arguments,
+            tool_log,
+            unknown_text=(
+                f"Error: unknown tool {name!r}; available tools: {', '.join(name_map) or 'none'}"
+            ),
+        )
+        text = entry["result"]
         if entry["is_error"] and self.config.tool_error_policy == "raise":
             raise ToolErrorRaised(f"tool call {name!r} failed: {text}")
         return {"role": "tool", "tool_call_id": call.id, "content": text}

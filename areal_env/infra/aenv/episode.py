@@ -7,10 +7,12 @@ same way: one environment instance per episode, the environment's ``@register_re
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,3 +227,103 @@ def initial_messages(data: Any, system_prompt: str | None) -> list[dict[str, Any
     if system_prompt and not (messages and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+async def logged_tool_call(
+    env: AenvEnvironmentAdapter,
+    name_map: dict[str, str],
+    name: str,
+    raw_args: str | None,
+    tool_log: list[dict[str, Any]],
+    *,
+    unknown_text: str,
+) -> dict[str, Any]:
+    """Run the model's call of tool ``name`` in ``env`` and record it in ``tool_log``.
+
+    Returns the log entry (``name``, ``arguments``, ``is_error``, ``result``: the text the model
+    sees). An unknown name (``unknown_text``) or bad JSON arguments never reach the environment;
+    transport failures (``AenvToolCallError``) propagate so that the episode is rejected. The
+    caller applies ``tool_error_policy`` (each agent raises its own error type).
+    """
+    from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
+
+    entry: dict[str, Any] = {"name": name, "arguments": None, "is_error": True}
+    tool_log.append(entry)
+    if name not in name_map:
+        text = unknown_text
+    else:
+        try:
+            args = parse_tool_arguments(raw_args)
+        except ToolArgumentsError as e:
+            text = f"Error: {e}"
+        else:
+            entry["arguments"] = args
+            result = await env.call_tool(name_map[name], args)
+            entry["is_error"] = result.is_error
+            text = f"Error: {result.text}" if result.is_error else result.text
+    entry["result"] = text
+    return entry
+
+
+class EnvAgentBase:
+    """What every environment-backed agent sets up the same way (``AenvAgent``, ``agents/``).
+
+    Subclasses keep their own documented ``__init__`` signature and defaults and pass the
+    options through; this validates ``max_turns`` and builds ``config``, ``pool``, ``reward_fn``
+    and ``sampling`` (OpenAI Chat Completions parameter names, but ``max_tokens`` is named
+    ``max_tokens_param``).
+    """
+
+    max_tokens_param = "max_tokens"
+
+    def __init__(
+        self,
+        aenv_config: AenvConfig | dict[str, Any] | None = None,
+        *,
+        aenv_urls: list[str] | None = None,
+        max_turns: int = 3,
+        system_prompt: str | None = None,
+        reward_fn: Callable[..., Any] | str | None = None,
+        gconfig: Any = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        tool_error_policy: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
+        self.config = make_config(aenv_config, tool_error_policy=tool_error_policy)
+        self.pool = EnvironmentPool(self.config, aenv_urls)
+        self.max_turns = max_turns
+        self.system_prompt = system_prompt
+        self.reward_fn = resolve_reward_fn(reward_fn)
+        s = sampling_kwargs(gconfig, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        self.sampling = {
+            (self.max_tokens_param if k == "max_tokens" else k): v for k, v in s.items()
+        }
+        self.model = model
+
+    def model_name(self, extra_kwargs: dict[str, Any]) -> str:
+        """The model to request: the workflow's ``model``, else ours, else ``OPENAI_MODEL``."""
+        return extra_kwargs.get("model") or self.model or os.environ.get("OPENAI_MODEL", "default")
+
+    @contextlib.asynccontextmanager
+    async def openai_client(self, extra_kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        """An ``AsyncOpenAI`` on the injected ``base_url``/``api_key``/``http_client`` (else
+        ``OPENAI_BASE_URL``/``OPENAI_API_KEY``); closed on exit unless the HTTP client was
+        injected (its owner closes it)."""
+        from openai import AsyncOpenAI
+
+        http_client = extra_kwargs.get("http_client")
+        client = AsyncOpenAI(
+            base_url=extra_kwargs.get("base_url") or os.environ.get("OPENAI_BASE_URL"),
+            api_key=extra_kwargs.get("api_key") or os.environ.get("OPENAI_API_KEY", "none"),
+            http_client=http_client,
+            max_retries=0,  # a retried completion would be recorded twice by the proxy
+        )
+        try:
+            yield client
+        finally:
+            if http_client is None:
+                await client.close()

@@ -152,6 +152,28 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None, param: str) ->
         raise bad_request("tool_choice 'required' needs at least one tool in 'tools'", param)
 
 
+def openai_tool_choice(
+    raw: Any, tools: list[dict] | None, named: bool, name: Any, named_shape: str
+) -> Any:
+    """An OpenAI-style ``tool_choice`` (Chat Completions and Responses) in the internal form.
+
+    The two APIs differ only in where a named choice keeps its name, so the caller says whether
+    ``raw`` has the named shape (``named``, ``name``) and how to spell it in the error.
+    """
+    if raw is None:
+        return None
+    if raw in ("auto", "none", "required"):
+        choice: Any = raw
+    elif named:
+        choice = {"type": "function", "function": {"name": name}}
+    else:
+        raise bad_request(
+            f"'tool_choice' must be auto, none, required or {named_shape}", "tool_choice"
+        )
+    check_tool_choice(choice, tools, "tool_choice")
+    return choice
+
+
 # ---- streaming text ---------------------------------------------------------------------------
 
 

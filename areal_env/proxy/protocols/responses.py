@@ -16,7 +16,7 @@ from areal_env.proxy.protocols.common import (
     CompletionRequest,
     arguments_string,
     bad_request,
-    check_tool_choice,
+    openai_tool_choice,
     opt_bool,
     opt_int,
     opt_number,
@@ -141,20 +141,11 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
-    if raw is None:
-        return None
-    if raw in ("auto", "none", "required"):
-        choice: Any = raw
-    elif (
+    named = (
         isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("name"), str)
-    ):
-        choice = {"type": "function", "function": {"name": raw["name"]}}
-    else:
-        raise bad_request(
-            "'tool_choice' must be auto, none, required or {type: function, name}", "tool_choice"
-        )
-    check_tool_choice(choice, tools, "tool_choice")
-    return choice
+    )
+    name = raw["name"] if named else None
+    return openai_tool_choice(raw, tools, named, name, "{type: function, name}")
 
 
 def parse_request(body: Any) -> CompletionRequest:

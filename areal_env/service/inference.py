@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_env.service.config import ServiceConfig
+from areal_env.service.lifecycle import ServiceStack
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def model_name_of(model_dir: Path) -> str:
     return model_dir.name
 
 
-class InferenceService:
+class InferenceService(ServiceStack):
     """Engine + one proxy + an inference-only gateway; ``start()`` / ``stop()``."""
 
     def __init__(
@@ -73,56 +74,36 @@ class InferenceService:
         self.proxy: Any = None
         self.gateway: Any = None
 
-    def start(self) -> InferenceService:
+    def _start_parts(self) -> None:
         from areal_env.api.config import ProxyConfig
         from areal_env.proxy.server import ProxyServer
         from areal_env.service.gateway import GatewayServer
 
-        try:
-            if self.engine is None:
-                from areal_env.engine.local import LocalEngine
+        if self.engine is None:
+            from areal_env.engine.local import LocalEngine
 
-                self.engine = LocalEngine(str(self.model_dir), max_batch_size=self.max_batch_size)
-                self.engine.initialize()
-            pcfg = ProxyConfig(
-                host="127.0.0.1",
-                port=0,
-                default_max_tokens=self.default_max_tokens,
-                session_ttl=600.0,
-            )
-            self.proxy = ProxyServer(
-                self.engine, self.engine.tokenizer, pcfg, model_name=model_name_of(self.model_dir)
-            ).start()
-            self.gateway = GatewayServer(
-                self.service,
-                backends=[(self.proxy.base_url, self.proxy.admin_key)],
-                anonymous_sessions=True,
-            ).start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+            self.engine = LocalEngine(str(self.model_dir), max_batch_size=self.max_batch_size)
+            self.engine.initialize()
+        pcfg = ProxyConfig(
+            host="127.0.0.1",
+            port=0,
+            default_max_tokens=self.default_max_tokens,
+            session_ttl=600.0,
+        )
+        self.proxy = ProxyServer(
+            self.engine, self.engine.tokenizer, pcfg, model_name=model_name_of(self.model_dir)
+        ).start()
+        self.gateway = GatewayServer(
+            self.service,
+            backends=[(self.proxy.base_url, self.proxy.admin_key)],
+            anonymous_sessions=True,
+        ).start()
 
-    @property
-    def base_url(self) -> str:
-        return self.gateway.base_url
-
-    def stop(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-            self.gateway = None
+    def _stop_backends(self) -> None:
+        self.gateway = None  # stopped by ServiceStack.stop
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
-        if self._own_engine and self.engine is not None:
-            self.engine.destroy()
-            self.engine = None
-
-    def __enter__(self) -> InferenceService:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def serve_checkpoint(

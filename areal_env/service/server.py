@@ -28,6 +28,7 @@ from areal_env.api.config import (
     parse_overrides,
 )
 from areal_env.service.config import ServiceConfig
+from areal_env.service.lifecycle import ServiceStack
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def create_engine(cfg: ExperimentConfig) -> Any:
     return factory(cfg)
 
 
-class TrainingService:
+class TrainingService(ServiceStack):
     """Engine + proxies + gateway + trajectory source, started and stopped together."""
 
     def __init__(
@@ -115,57 +116,37 @@ class TrainingService:
         self.gateway: Any = None
         self.source: Any = None
 
-    def start(self) -> TrainingService:
+    def _start_parts(self) -> None:
         from areal_env.proxy.server import ProxyServer
         from areal_env.service.gateway import GatewayServer
         from areal_env.service.source import ExternalTrajectorySource
 
-        try:
-            if self.engine is None:
-                self.engine = create_engine(self.cfg)
-                self.engine.initialize()
-            tokenizer = _tokenizer_of(self.engine, self.cfg)
-            for _ in range(self.service.num_proxies):
-                pcfg = dataclasses.replace(self.cfg.proxy, host="127.0.0.1", port=0)
-                self.proxies.append(ProxyServer(self.engine, tokenizer, pcfg).start())
-            self.source = ExternalTrajectorySource(
-                self.cfg.rollout,
-                group_timeout=self.service.group_timeout,
-                admission_control=self.service.admission_control,
-            )
-            self.gateway = GatewayServer(
-                self.service,
-                backends=[(p.base_url, p.admin_key) for p in self.proxies],
-                source=self.source,
-                discount=self.cfg.rollout.discount,
-                export_style=self.cfg.rollout.export_style,
-            ).start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        if self.engine is None:
+            self.engine = create_engine(self.cfg)
+            self.engine.initialize()
+        tokenizer = _tokenizer_of(self.engine, self.cfg)
+        for _ in range(self.service.num_proxies):
+            pcfg = dataclasses.replace(self.cfg.proxy, host="127.0.0.1", port=0)
+            self.proxies.append(ProxyServer(self.engine, tokenizer, pcfg).start())
+        self.source = ExternalTrajectorySource(
+            self.cfg.rollout,
+            group_timeout=self.service.group_timeout,
+            admission_control=self.service.admission_control,
+        )
+        self.gateway = GatewayServer(
+            self.service,
+            backends=[(p.base_url, p.admin_key) for p in self.proxies],
+            source=self.source,
+            discount=self.cfg.rollout.discount,
+            export_style=self.cfg.rollout.export_style,
+        ).start()
 
-    @property
-    def base_url(self) -> str:
-        return self.gateway.base_url
-
-    def stop(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
+    def _stop_backends(self) -> None:
         if self.source is not None:
             self.source.close()
         for p in self.proxies:
             p.stop()
         self.proxies = []
-        if self._own_engine and self.engine is not None:
-            self.engine.destroy()
-            self.engine = None
-
-    def __enter__(self) -> TrainingService:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 async def _train(cfg: ExperimentConfig, svc: TrainingService) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,18 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None, param: str) ->
             raise bad_request(f"tool_choice names tool {name!r}, which is not in 'tools'", param)
     elif tool_choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs at least one tool in 'tools'", param)
+
+
+def openai_tool_list(
+    raw: Any, convert_one: Callable[[Any, str], dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """An OpenAI-style ``tools`` list (Chat Completions, Responses) in the internal form:
+    ``convert_one(tool, "tools[i]")`` per entry; None for a missing or empty list."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("'tools' must be a list", "tools")
+    return [convert_one(t, f"tools[{i}]") for i, t in enumerate(raw)] or None
 
 
 def openai_tool_choice(

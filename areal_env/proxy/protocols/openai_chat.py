@@ -16,6 +16,7 @@ from areal_env.proxy.protocols.common import (
     arguments_string,
     bad_request,
     openai_tool_choice,
+    openai_tool_list,
     opt_bool,
     opt_int,
     opt_number,
@@ -152,26 +153,18 @@ def _call_param(i: int, j: int | None, field: str) -> str:
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be a list", "tools")
-    tools = []
-    for i, t in enumerate(raw):
-        p = f"tools[{i}]"
-        if (
-            not isinstance(t, dict)
-            or t.get("type", "function") != "function"
-            or not isinstance(t.get("function"), dict)
-        ):
-            raise bad_request(
-                f"'{p}' must be a function tool {{type: function, function: {{...}}}}", p
-            )
-        fn = t["function"]
-        tools.append(
-            validate_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), p)
-        )
-    return tools or None
+    return openai_tool_list(raw, _convert_tool)
+
+
+def _convert_tool(t: Any, p: str) -> dict[str, Any]:
+    if (
+        not isinstance(t, dict)
+        or t.get("type", "function") != "function"
+        or not isinstance(t.get("function"), dict)
+    ):
+        raise bad_request(f"'{p}' must be a function tool {{type: function, function: {{...}}}}", p)
+    fn = t["function"]
+    return validate_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), p)
 
 
 def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:

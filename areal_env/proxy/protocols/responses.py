@@ -17,6 +17,7 @@ from areal_env.proxy.protocols.common import (
     arguments_string,
     bad_request,
     openai_tool_choice,
+    openai_tool_list,
     opt_bool,
     opt_int,
     opt_number,
@@ -116,28 +117,24 @@ def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be a list", "tools")
-    tools = []
-    for i, t in enumerate(raw):
-        p = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise bad_request(f"tool type {kind!r} is not supported (function tools only)", p)
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"'{p}.name' must be a non-empty string", p)
-        params = t.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"'{p}.parameters' must be a JSON schema object", p)
-        fn: dict[str, Any] = {"name": name}
-        if isinstance(t.get("description"), str) and t["description"]:
-            fn["description"] = t["description"]
-        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-        tools.append({"type": "function", "function": fn})
-    return tools or None
+    return openai_tool_list(raw, _convert_tool)
+
+
+def _convert_tool(t: Any, p: str) -> dict[str, Any]:
+    if not isinstance(t, dict) or t.get("type") != "function":
+        kind = t.get("type") if isinstance(t, dict) else None
+        raise bad_request(f"tool type {kind!r} is not supported (function tools only)", p)
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"'{p}.name' must be a non-empty string", p)
+    params = t.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad_request(f"'{p}.parameters' must be a JSON schema object", p)
+    fn: dict[str, Any] = {"name": name}
+    if isinstance(t.get("description"), str) and t["description"]:
+        fn["description"] = t["description"]
+    fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
 
 
 def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:

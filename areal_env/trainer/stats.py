@@ -121,6 +121,7 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike[str
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [p[0] for p in pts]
     mean = [p[1] for p in pts]
@@ -134,6 +135,7 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike[str
         alpha=0.2,
     )
     ax.set_xlabel("training step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("reward")
     ax.set_title("reward per training step (mean ± std over the batch)")
     ax.grid(alpha=0.3)

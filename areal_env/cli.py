@@ -28,6 +28,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def module_for(name: str, rest: list[str]) -> str:
+    """The module that owns ``areal-env NAME``: ``serve`` with ``--experiment``/``--checkpoint``
+    serves a trained checkpoint through the OpenAI/Anthropic API (a service-layer command)."""
+    if name == "serve" and any(a.split("=")[0] in ("--experiment", "--checkpoint") for a in rest):
+        return "areal_env.service.inference"
+    return SUBCOMMANDS[name][0]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -40,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module = importlib.import_module(module_for(name, rest))
     return int(module.main(rest) or 0)
 
 

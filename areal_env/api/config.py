@@ -17,14 +17,11 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from areal_env.api.errors import ConfigError
 from areal_env.api.io import GenerationConfig
-from areal_env.service.config import ServiceConfig
+from areal_env.api.service_config import ServiceConfig
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from areal_env.http import routes
+
 if TYPE_CHECKING:
     from areal_env.api.config import ExperimentConfig
 
@@ -246,7 +248,7 @@ def _pick_ports(host: str, base_port: int, n: int) -> list[int]:
 
 
 def wait_healthy(
-    server: ServerProcess, timeout: float, *, path: str = "/health_generate", poll: float = 0.5
+    server: ServerProcess, timeout: float, *, path: str = routes.HEALTH_GENERATE, poll: float = 0.5
 ) -> None:
     """Poll ``GET path`` until HTTP 200; fail fast (with the log tail) if the process exits."""
     deadline = time.monotonic() + timeout
@@ -284,7 +286,7 @@ def launch_servers(
     command: Sequence[str] | None = None,
     env: dict[str, str] | None = None,
     assign_gpus: bool | None = None,
-    health_path: str = "/health_generate",
+    health_path: str = routes.HEALTH_GENERATE,
 ) -> ServerGroup:
     """Start ``num_servers`` servers, wait until all are healthy, return their ``ServerGroup``.
 

@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_env.http import routes
+from areal_env.http.body import read_body, read_json
+from areal_env.http.codec import dumps, json_response, loads
+from areal_env.http.errors import HTTPError, install_error_handlers, openai_error_body
+from areal_env.http.net import bind_socket
+from areal_env.http.runner import serve_forever
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +115,8 @@ def gconfig_from_sampling_params(sp: dict[str, Any] | None) -> GenerationConfig:
         raise BadRequest(str(e)) from e
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _error(status: int, message: str) -> Response:
+    return json_response(openai_error_body(HTTPError(status, message)), status)
 
 
 class ServeState:
@@ -256,7 +259,8 @@ def _parse_generate(body: Any, engine: Any) -> tuple[list[ModelRequest], bool, b
 
 def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
     """The FastAPI app around an initialized engine (LocalEngine or anything with its API)."""
-    app = FastAPI(title="areal-env serve", openapi_url=None)
+    app = FastAPI(title="areal-env serve", openapi_url=None, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
     state = ServeState(engine, model_name=model_name)
     app.state.serve = state
 
@@ -269,7 +273,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             state._leave(req.rid)
         return state.answer(req, resp, return_logprob=return_logprob)
 
-    def failure(e: Exception) -> JSONResponse:
+    def failure(e: Exception) -> Response:
         if isinstance(e, PromptTooLongError):
             return _error(400, f"The input is too long: {e}")
         if isinstance(e, ValueError):
@@ -279,10 +283,11 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         logger.exception("generation failed")
         return _error(500, f"{type(e).__name__}: {e}")
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    @app.api_route(routes.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
+        raw = await read_body(request)
         try:
-            body = json.loads(await request.body())
+            body = loads(raw)
             reqs, batched, return_logprob, stream = _parse_generate(body, engine)
         except (ValueError, TypeError) as e:  # json errors are ValueErrors
             return _error(400, str(e))
@@ -291,8 +296,8 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         try:
             if batched:
                 outs = await asyncio.gather(*(run_one(r, return_logprob) for r in reqs))
-                return JSONResponse(outs)
-            return JSONResponse(await run_one(reqs[0], return_logprob))
+                return json_response(outs)
+            return json_response(await run_one(reqs[0], return_logprob))
         except Exception as e:  # noqa: BLE001 - mapped to SGLang's error answers
             return failure(e)
 
@@ -316,7 +321,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
                 if key in meta:
                     meta[key] = meta[key][sent:]
             out["text"] = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
-            return b"data: " + json.dumps(out).encode() + b"\n\n"
+            return b"data: " + dumps(out) + b"\n\n"
 
         async def events():
             ids: list[int] = []
@@ -342,7 +347,8 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
                     sent = len(ids)
                     chunk = await agen.__anext__()
             except Exception as e:  # noqa: BLE001 - SGLang reports stream errors in-band
-                yield b"data: " + json.dumps({"error": {"message": str(e)}}).encode() + b"\n\n"
+                err = openai_error_body(HTTPError(500, str(e)))
+                yield b"data: " + dumps(err) + b"\n\n"
             finally:
                 state._leave(req.rid)
                 await agen.aclose()
@@ -351,16 +357,13 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def json_body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if not raw:
-            return {}
         try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise BadRequest(f"invalid JSON: {e}") from e
+            data = await read_json(request, empty_ok=True)
+        except HTTPError as e:
+            raise BadRequest(e.message) from None
         return data if isinstance(data, dict) else {}
 
-    @app.post("/pause_generation")
+    @app.post(routes.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> Response:
         try:
             mode = (await json_body(request)).get("mode", "abort")
@@ -380,27 +383,27 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             await asyncio.to_thread(engine.pause)
             state.engine_paused = True
             logger.info("generation paused in place")
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.post("/continue_generation")
+    @app.post(routes.CONTINUE_GENERATION)
     async def continue_generation() -> Response:
         if state.engine_paused:
             engine.resume()
             state.engine_paused = False
         state.running.set()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    @app.post("/update_weights_from_disk")
+    @app.post(routes.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(request: Request) -> Response:
         try:
             body = await json_body(request)
         except BadRequest as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+            return json_response({"success": False, "message": str(e)}, 400)
         path = body.get("model_path")
         if not path or not os.path.isdir(path):
-            return JSONResponse(
+            return json_response(
                 {"success": False, "message": f"model_path {path!r} is not a model folder"},
-                status_code=400,
+                400,
             )
         if body.get("abort_all_requests"):
             state.abort_all()
@@ -409,34 +412,34 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             await asyncio.to_thread(engine.update_weights, path)
         except Exception as e:  # noqa: BLE001 - reported as SGLang does
             logger.exception("weight update from %s failed", path)
-            return JSONResponse(
-                {"success": False, "message": f"Failed to update weights: {e}"}, status_code=400
+            return json_response(
+                {"success": False, "message": f"Failed to update weights: {e}"}, 400
             )
         message = f"Succeeded to update model weights in {time.perf_counter() - t0:.2f} s."
         if body.get("weight_version") is not None:
             state.set_weight_version(str(body["weight_version"]))
             message += f" Weight version updated to {body['weight_version']}."
-        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+        return json_response({"success": True, "message": message, "num_paused_requests": 0})
 
-    @app.post("/update_weight_version")
+    @app.post(routes.UPDATE_WEIGHT_VERSION)
     async def update_weight_version(request: Request) -> Response:
         try:
             body = await json_body(request)
         except BadRequest as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+            return json_response({"success": False, "message": str(e)}, 400)
         if body.get("abort_all_requests"):
             state.abort_all()
         new = str(body.get("new_version", ""))
         state.set_weight_version(new)
-        return JSONResponse(
+        return json_response(
             {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
         )
 
-    @app.get("/get_weight_version")
+    @app.get(routes.GET_WEIGHT_VERSION)
     async def get_weight_version() -> Response:
-        return JSONResponse({"weight_version": state.weight_version()})
+        return json_response({"weight_version": state.weight_version()})
 
-    @app.post("/abort_request")
+    @app.post(routes.ABORT_REQUEST)
     async def abort_request(request: Request) -> Response:
         body = await json_body(request)
         if body.get("abort_all"):
@@ -445,16 +448,16 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             engine.abort(str(body["rid"]))
         return Response(status_code=200)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route(routes.FLUSH_CACHE, methods=["GET", "POST"])
     async def flush_cache() -> Response:
         # The embedded engine keeps no prefix cache across requests: nothing to flush.
         return Response("Cache flushed.\n", status_code=200)
 
-    @app.get("/health")
+    @app.get(routes.HEALTH)
     async def health() -> Response:
         return Response(status_code=503 if state.shutting_down else 200)
 
-    @app.get("/health_generate")
+    @app.get(routes.HEALTH_GENERATE)
     async def health_generate() -> Response:
         if state.shutting_down:
             return Response(status_code=503)
@@ -468,9 +471,9 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
+    @app.get(routes.GET_MODEL_INFO)
     async def get_model_info() -> Response:
-        return JSONResponse(
+        return json_response(
             {
                 "model_path": engine.model_path,
                 "tokenizer_path": engine.model_path,
@@ -482,7 +485,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             }
         )
 
-    @app.get("/get_server_info")
+    @app.get(routes.GET_SERVER_INFO)
     async def get_server_info() -> Response:
         info: dict[str, Any] = {
             "model_path": engine.model_path,
@@ -495,7 +498,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         stats = getattr(engine, "stats", None)
         if callable(stats):
             info["engine_stats"] = stats()
-        return JSONResponse(info)
+        return json_response(info)
 
     return app
 
@@ -536,27 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def main(argv: list[str] | None = None) -> int:
     """``areal-env serve``: load the model, bind, print one readiness line, serve until killed."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if any(a.split("=")[0] in ("--experiment", "--checkpoint") for a in args_list):
-        # Serving a trained checkpoint through the OpenAI/Anthropic API (inference only).
-        from areal_env.service.inference import main as serve_checkpoint_main
-
-        return serve_checkpoint_main(args_list)
-
-    import uvicorn
-
     from areal_env.engine.local import LocalEngine
     from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 
@@ -567,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size != 1:
         logger.warning("--tp-size %d ignored: the embedded engine runs on one device", args.tp_size)
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port, inheritable=True)
     except OSError as e:
         print(f"areal-env serve: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
@@ -584,20 +569,18 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(engine, model_name=args.served_model_name)
     app.state.serve.set_weight_version(args.weight_version)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(
-        app, log_level=args.log_level.lower(), access_log=False, timeout_keep_alive=600
-    )
-    server = uvicorn.Server(config)
 
     def announce() -> None:
-        while not server.started and not server.should_exit:
-            time.sleep(0.02)
-        if server.started:
-            print(f"areal-env serve ready on http://{host}:{port} (model {path})", flush=True)
+        print(f"areal-env serve ready on http://{host}:{port} (model {path})", flush=True)
 
-    threading.Thread(target=announce, daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        serve_forever(
+            app,
+            sock,
+            on_ready=announce,
+            log_level=args.log_level.lower(),
+            timeout_keep_alive=600,
+        )
     finally:
         app.state.serve.shutting_down = True
         engine.destroy()

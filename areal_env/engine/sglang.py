@@ -43,6 +43,8 @@ from tenacity import (
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from areal_env.http import routes
+from areal_env.http.client import response_error_message
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ class SGLangEngine:
         for addr in self.addresses:
             while True:
                 try:
-                    r = self._client_sync().get(f"http://{addr}/health", timeout=5.0)
+                    r = self._client_sync().get(f"http://{addr}{routes.HEALTH}", timeout=5.0)
                     if r.status_code == 200:
                         break
                 except httpx.TransportError:
@@ -360,9 +362,9 @@ class SGLangEngine:
         if resp.status_code >= 500:
             raise _RetryableHTTPError(resp.status_code, resp.text)
         if resp.status_code == 413:
-            raise PromptTooLongError(_error_message(resp))
+            raise PromptTooLongError(response_error_message(resp))
         if resp.status_code >= 400:
-            message = _error_message(resp)
+            message = response_error_message(resp)
             if "context length" in message or "too long" in message:
                 raise PromptTooLongError(message)
             raise ValueError(f"server {addr} rejected {path} (HTTP {resp.status_code}): {message}")
@@ -461,7 +463,7 @@ class SGLangEngine:
         tried: set[str] = set()
         while True:
             try:
-                out = await self._apost(addr, "/generate", payload)
+                out = await self._apost(addr, routes.GENERATE, payload)
                 self._mark_up(addr)
                 return addr, out
             except EngineUnavailableError:
@@ -588,7 +590,9 @@ class SGLangEngine:
                     await asyncio.sleep(min(self.retry_backoff * 2**i, self.retry_max_wait))
                 try:
                     resp = await client.send(
-                        client.build_request("POST", f"http://{addr}/generate", json=payload),
+                        client.build_request(
+                            "POST", f"http://{addr}{routes.GENERATE}", json=payload
+                        ),
                         stream=True,
                     )
                 except httpx.TransportError as e:
@@ -618,7 +622,7 @@ class SGLangEngine:
         try:
             if resp.status_code >= 400:
                 await resp.aread()
-                self._check(resp, addr, "/generate")
+                self._check(resp, addr, routes.GENERATE)
             try:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -643,12 +647,12 @@ class SGLangEngine:
     def pause(self) -> None:
         """Pause every server; in-flight requests are aborted and continued after ``resume()``."""
         self._resumed.clear()
-        self._broadcast("/pause_generation", {"mode": "abort"})
+        self._broadcast(routes.PAUSE_GENERATION, {"mode": "abort"})
 
     def resume(self) -> None:
         """Continue every server; held requests proceed even if one server cannot be reached."""
         try:
-            self._broadcast("/continue_generation", {})
+            self._broadcast(routes.CONTINUE_GENERATION, {})
         finally:
             self._resumed.set()
 
@@ -671,7 +675,7 @@ class SGLangEngine:
             self.pause()
         try:
             results = self._broadcast(
-                "/update_weights_from_disk",
+                routes.UPDATE_WEIGHTS_FROM_DISK,
                 {"model_path": path, "weight_version": str(new_version), "flush_cache": True},
             )
             for addr, res in zip(self.addresses, results, strict=True):
@@ -693,7 +697,7 @@ class SGLangEngine:
 
     def set_version(self, version: int) -> None:
         """Set our version and every server's ``weight_version`` (tokens report it)."""
-        self._broadcast("/update_weight_version", {"new_version": str(int(version))})
+        self._broadcast(routes.UPDATE_WEIGHT_VERSION, {"new_version": str(int(version))})
         self._version = int(version)
 
     def health(self) -> dict[str, bool]:
@@ -701,25 +705,12 @@ class SGLangEngine:
         out = {}
         for addr in self.addresses:
             try:
-                out[addr] = self._client_sync().get(f"http://{addr}/health", timeout=5).is_success
+                out[addr] = (
+                    self._client_sync().get(f"http://{addr}{routes.HEALTH}", timeout=5).is_success
+                )
             except httpx.TransportError:
                 out[addr] = False
         return out
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])
-    return str(data)[:500]
 
 
 def stream_skip(have: int, n_ids: int, meta: dict) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import secrets
@@ -26,11 +25,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areal_env.api.config import ProxyConfig
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError, stream_from_generate
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_env.http import routes
+from areal_env.http.body import read_json, request_key
+from areal_env.http.codec import json_response
+from areal_env.http.errors import install_error_handlers
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
 from areal_env.proxy.protocols import anthropic as anth
 from areal_env.proxy.protocols import openai_chat as oai
@@ -54,59 +56,6 @@ from areal_env.proxy.render import ChatRenderer, RenderError
 from areal_env.proxy.sessions import Session, SessionRegistry
 
 logger = logging.getLogger(__name__)
-
-_JSON = "application/json"
-
-
-try:  # orjson: several times faster at both ends; the stdlib stays the reference behaviour
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - orjson is a dependency, but keep working without it
-    _orjson = None
-
-
-def _dumps(obj: Any) -> bytes:
-    if _orjson is not None:
-        try:
-            return _orjson.dumps(obj)
-        except (TypeError, _orjson.JSONEncodeError):
-            pass  # non-str keys, huge ints, lone surrogates, ...: the stdlib's answer
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def _loads(raw: bytes) -> Any:
-    if _orjson is not None:
-        try:
-            return _orjson.loads(raw)
-        except _orjson.JSONDecodeError:
-            pass  # NaN, big ints, ...: the stdlib accepts some and words its own errors
-    return json.loads(raw)
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(content=_dumps(obj), status_code=status, media_type=_JSON)
-
-
-def request_key(request: Request) -> str | None:
-    """The caller's key from ``Authorization: Bearer`` or ``x-api-key``."""
-    auth = request.headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    key = request.headers.get("x-api-key")
-    return key.strip() if key else None
-
-
-async def read_json(request: Request, *, empty_ok: bool = False) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if empty_ok:
-            return {}
-        raise bad_request("request body is empty; expected a JSON object")
-    try:
-        return _loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
 
 
 @dataclass
@@ -570,36 +519,7 @@ def create_app(state: ProxyState) -> FastAPI:
     )
     app.state.proxy = state
 
-    def _anthropic_route(path: str) -> bool:
-        return path.startswith("/v1/messages")
-
-    def _error_response(path: str, err: ProxyError) -> Response:
-        body = anthropic_error_body(err) if _anthropic_route(path) else openai_error_body(err)
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-        return Response(_dumps(body), status_code=err.status, media_type=_JSON, headers=headers)
-
-    @app.exception_handler(ProxyError)
-    async def _proxy_error(request: Request, err: ProxyError) -> Response:
-        state.counters["errors"] += 1
-        if err.status >= 500:
-            logger.warning(
-                "%s %s -> %d: %s", request.method, request.url.path, err.status, err.message
-            )
-        return _error_response(request.url.path, err)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        state.counters["errors"] += 1
-        msg = str(exc.detail) if exc.detail else "error"
-        if exc.status_code == 404:
-            msg = f"no route {request.method} {request.url.path}"
-        return _error_response(request.url.path, ProxyError(exc.status_code, msg))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        state.counters["errors"] += 1
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(request.url.path, ProxyError(500, "internal error"))
+    install_error_handlers(app, state.counters)
 
     # ---- completions ----
     async def _complete(
@@ -687,11 +607,11 @@ def create_app(state: ProxyState) -> FastAPI:
     # The completion routes are plain Starlette routes: they take the raw request and parse it
     # by hand anyway, so FastAPI's per-request dependency solving would be pure overhead on the
     # agents' hot path. Errors still go through the handlers above.
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_route("/v1/messages", messages, methods=["POST"])
-    app.add_route("/v1/responses", responses, methods=["POST"])
+    app.add_route(routes.CHAT_COMPLETIONS, chat_completions, methods=["POST"])
+    app.add_route(routes.MESSAGES, messages, methods=["POST"])
+    app.add_route(routes.RESPONSES, responses, methods=["POST"])
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(routes.COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
         state.registry.by_key(request_key(request))
         creq = anth.parse_request({"max_tokens": 1, **(await read_json(request))})
@@ -701,7 +621,7 @@ def create_app(state: ProxyState) -> FastAPI:
             raise bad_request(str(e)) from None
         return json_response({"input_tokens": len(ids)})
 
-    @app.get("/v1/models")
+    @app.get(routes.MODELS)
     async def models() -> Response:
         return json_response(
             {
@@ -717,7 +637,7 @@ def create_app(state: ProxyState) -> FastAPI:
             }
         )
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(routes.MODELS + "/{model_id:path}")
     async def model(model_id: str) -> Response:
         if model_id != state.model_name:
             raise ProxyError(404, f"model {model_id!r} not found (serving {state.model_name!r})")
@@ -730,16 +650,16 @@ def create_app(state: ProxyState) -> FastAPI:
             }
         )
 
-    @app.get("/health")
+    @app.get(routes.HEALTH)
     async def health() -> Response:
         return json_response(state.health())
 
-    @app.get("/metrics")
+    @app.get(routes.METRICS)
     async def metrics() -> Response:
         return json_response(state.health())
 
     # ---- RL control ----
-    @app.post("/grant_capacity")
+    @app.post(routes.GRANT_CAPACITY)
     async def grant_capacity(request: Request) -> Response:
         state.registry.check_admin(request_key(request))
         body = await read_json(request)
@@ -748,7 +668,7 @@ def create_app(state: ProxyState) -> FastAPI:
             raise bad_request("'capacity' must be an integer >= 0", "capacity")
         return json_response({"capacity": state.registry.grant_capacity(n)})
 
-    @app.post("/rl/start_session")
+    @app.post(routes.START_SESSION)
     async def start_session(request: Request) -> Response:
         state.registry.check_admin(request_key(request))
         body = await read_json(request, empty_ok=True)
@@ -766,7 +686,7 @@ def create_app(state: ProxyState) -> FastAPI:
         session, key = state.registry.start(ids["task_id"], ids["group_id"], meta)
         return json_response({"session_id": session.id, "api_key": key})
 
-    @app.post("/rl/set_reward")
+    @app.post(routes.SET_REWARD)
     async def set_reward(request: Request) -> Response:
         session = state.registry.by_key(request_key(request))
         body = await read_json(request)
@@ -794,13 +714,13 @@ def create_app(state: ProxyState) -> FastAPI:
             raise bad_request(str(e), "reward") from None
         return json_response({"interaction_id": rid, "reward": session.cache.get(rid).reward})
 
-    @app.post("/rl/end_session")
+    @app.post(routes.END_SESSION)
     async def end_session(request: Request) -> Response:
         session = state.registry.by_key(request_key(request), allow_ended=True)
         state.registry.end(session)
         return json_response({"session_id": session.id, "num_interactions": len(session.cache)})
 
-    @app.post("/export_trajectories")
+    @app.post(routes.EXPORT_TRAJECTORIES)
     async def export_trajectories(request: Request) -> Response:
         state.registry.check_admin(request_key(request))
         body = await read_json(request)

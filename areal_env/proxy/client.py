@@ -26,6 +26,9 @@ from typing import Any
 
 import httpx
 
+from areal_env.http import routes
+from areal_env.http.client import response_error_message
+
 logger = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
@@ -38,15 +41,6 @@ class ProxyClientError(RuntimeError):
         super().__init__(f"proxy error {status}: {message}")
         self.status = status
         self.message = message
-
-
-def _error_message(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-        err = body.get("error", body)
-        return str(err.get("message", body)) if isinstance(err, dict) else str(err)
-    except Exception:  # noqa: BLE001 - any non-JSON body: show its text
-        return r.text[:500]
 
 
 async def _post(
@@ -70,7 +64,7 @@ async def _post(
             if r.status_code < 400:
                 return r.json()
             if r.status_code not in _RETRY_STATUS or attempt >= max_retries:
-                raise ProxyClientError(r.status_code, _error_message(r))
+                raise ProxyClientError(r.status_code, response_error_message(r))
         await asyncio.sleep(delay * (1 + random.random()))
         delay *= 2
     raise AssertionError("unreachable")
@@ -83,7 +77,9 @@ async def grant_capacity(
     own = http_client is None
     http = http_client or httpx.AsyncClient()
     try:
-        await _post(http, base_url.rstrip("/") + "/grant_capacity", admin_key, {"capacity": n}, 3)
+        await _post(
+            http, base_url.rstrip("/") + routes.GRANT_CAPACITY, admin_key, {"capacity": n}, 3
+        )
     finally:
         if own:
             await http.aclose()
@@ -104,7 +100,7 @@ class OpenAIProxyClient:
         max_retries: int = 3,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
+        if self.base_url.endswith(routes.OPENAI_PREFIX):
             self.base_url = self.base_url[:-3]
         self._admin_key = admin_key
         self._http = http_client
@@ -123,7 +119,7 @@ class OpenAIProxyClient:
     @property
     def openai_base_url(self) -> str:
         """What to pass as ``base_url`` to ``openai.AsyncOpenAI`` (Anthropic: ``base_url``)."""
-        return self.base_url + "/v1"
+        return self.base_url + routes.OPENAI_PREFIX
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -144,7 +140,7 @@ class OpenAIProxyClient:
         if self.metadata:
             body["metadata"] = self.metadata
         data = await _post(
-            self.http, self.base_url + "/rl/start_session", self._admin_key, body, self.max_retries
+            self.http, self.base_url + routes.START_SESSION, self._admin_key, body, self.max_retries
         )
         self.session_id, self.api_key = data["session_id"], data["api_key"]
         self.ended = False
@@ -160,7 +156,7 @@ class OpenAIProxyClient:
         if interaction_id is not None:
             body["interaction_id"] = interaction_id
         await _post(
-            self.http, self.base_url + "/rl/set_reward", self._require(), body, self.max_retries
+            self.http, self.base_url + routes.SET_REWARD, self._require(), body, self.max_retries
         )
 
     async def end(self) -> None:
@@ -169,7 +165,7 @@ class OpenAIProxyClient:
             return
         try:
             await _post(
-                self.http, self.base_url + "/rl/end_session", self._require(), {}, self.max_retries
+                self.http, self.base_url + routes.END_SESSION, self._require(), {}, self.max_retries
             )
         except ProxyClientError as e:
             if e.status != 409:  # a retried end that had already succeeded
@@ -190,7 +186,7 @@ class OpenAIProxyClient:
         }
         return await _post(
             self.http,
-            self.base_url + "/export_trajectories",
+            self.base_url + routes.EXPORT_TRAJECTORIES,
             self._admin_key,
             body,
             self.max_retries,

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import secrets
 import signal
-import socket
 import sys
-import threading
 import time
 from typing import Any
 
-import httpx
-import uvicorn
-
 from areal_env.api.config import ProxyConfig
+from areal_env.http import routes
+from areal_env.http.net import is_loopback, url_host
+from areal_env.http.runner import ServerThread
 from areal_env.proxy.app import ProxyState, create_app
 
 logger = logging.getLogger(__name__)
@@ -31,27 +28,6 @@ logger = logging.getLogger(__name__)
 # Keys that must never protect a proxy reachable from other machines.
 _GC_THRESHOLD0 = 10_000
 _WEAK_ADMIN_KEYS = {"", "admin", "changeme", "default", "password", "secret", "test", "areal"}
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the
-    # protocol is explicit, and without it Nagle + delayed ACK add ~40 ms to every response.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def check_admin_key(config: ProxyConfig) -> None:
@@ -119,77 +95,40 @@ class ProxyServer:
             renderer=renderer,
         )
         self.app = create_app(self.state)
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
+        self._runner = ServerThread(
+            self.app,
+            self.config.host,
+            self.config.port,
+            name="proxy",
+            health_path=routes.HEALTH,
+            before_start=freeze_startup_heap if freeze_gc else None,
+        )
         self.host = self.config.host
-        self.port = self.config.port
+
+    @property
+    def port(self) -> int:
+        return self._runner.port
+
+    @property
+    def running(self) -> bool:
+        return self._runner.running
 
     @property
     def base_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     @property
     def openai_base_url(self) -> str:
-        return self.base_url + "/v1"
+        return self.base_url + routes.OPENAI_PREFIX
 
     def start(self, timeout: float = 30.0) -> ProxyServer:
-        if self._thread is not None:
-            return self
-        self._sock = _bind(self.config.host, self.config.port)
-        self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            log_config=None,  # leave the host application's logging alone
-            access_log=False,  # access lines would carry nothing secret, but keep logs quiet
-            log_level="warning",
-            lifespan="on",
-            timeout_keep_alive=30,
-            backlog=2048,
-        )
-        self._server = uvicorn.Server(config)
-        if self.freeze_gc:
-            freeze_startup_heap()
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        sock = self._sock
-        server = self._server
-
-        def run() -> None:
-            try:
-                # Server.run picks uvicorn's loop factory: uvloop when installed (faster I/O).
-                server.run(sockets=[sock])
-            except Exception:  # pragma: no cover - surfaced by start() timing out
-                logger.exception("proxy server thread crashed")
-
-        self._thread = threading.Thread(target=run, name=f"proxy-{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError("proxy server failed to start (see the log)")
-            if server.started:
-                try:
-                    r = httpx.get(self.base_url + "/health", timeout=2.0)
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.02)
-        else:
-            self.stop()
-            raise TimeoutError(f"proxy did not answer /health within {timeout} s")
-        logger.info("proxy listening at %s (model %s)", self.base_url, self.state.model_name)
+        if not self._runner.running:
+            self._runner.start(timeout)
+            logger.info("proxy listening at %s (model %s)", self.base_url, self.state.model_name)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = self._thread = self._sock = None
+        self._runner.stop(timeout)
 
     def __enter__(self) -> ProxyServer:
         return self.start()
@@ -268,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        while server._thread is not None and server._thread.is_alive():
+        while server.running:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

@@ -27,10 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from areal_env.api.service_config import ServiceConfig, is_loopback
 from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, BackendPool, NoBackendError
 from areal_env.service.client import SESSION_HEADER
-from areal_env.service.config import ServiceConfig, is_loopback
 
 logger = logging.getLogger(__name__)
 

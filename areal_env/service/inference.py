@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from areal_env.service.config import ServiceConfig
+from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
 
 logger = logging.getLogger(__name__)

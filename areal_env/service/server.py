@@ -27,7 +27,7 @@ from areal_env.api.config import (
     load_config,
     parse_overrides,
 )
-from areal_env.service.config import ServiceConfig
+from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from areal_env.api.config import ConfigError, config_from_dict
+from areal_env.api.service_config import ServiceConfig
 from areal_env.service.auth import KeyStore, QuotaExceededError
 from areal_env.service.client import (
     _ACTIVE,
@@ -19,7 +20,6 @@ from areal_env.service.client import (
     install_session_hook,
     is_transient,
 )
-from areal_env.service.config import ServiceConfig
 from areal_env.service.gateway import Gateway
 from areal_env.service.server import load_service_config
 

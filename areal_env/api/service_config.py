@@ -1,27 +1,21 @@
 """``ServiceConfig``: the any-agent training service (gateway, auth, backends, trajectory export).
 
 Kept apart from ``areal_env.api.config`` so the service can evolve on its own; the experiment
-config attaches it as its ``service:`` section (this module imports nothing from
-``areal_env.api.config`` at import time, so that module can import ``ServiceConfig``). Plain dataclass, loaded by the same loader
-(``config_from_dict(ServiceConfig, {...})``).
+config attaches it as its ``service:`` section. It lives in ``api`` (the bottom layer) because
+that config holds it; it imports only ``api.errors`` and ``http.net``, so no cycle. Plain
+dataclass, loaded by the same loader (``config_from_dict(ServiceConfig, {...})``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from areal_env.api.errors import ConfigError
+from areal_env.http.net import is_loopback
 
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost`` (the only hosts served without user keys)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+__all__ = ["ServiceConfig", "is_loopback"]
 
 
 @dataclass
@@ -70,9 +64,6 @@ class ServiceConfig:
     """TLS certificate file (with ssl_keyfile) for HTTPS."""
 
     def validate(self) -> None:
-        # Imported here so that ``areal_env.api.config`` may import this module (no cycle).
-        from areal_env.api.config import ConfigError
-
         if not (0 <= self.port < 65536):
             raise ConfigError(f"service.port={self.port!r} must be in [0, 65535]")
         if self.max_sessions_per_key < 1:

@@ -26,9 +26,10 @@ demo: venv
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The quick developer loop: skips tests marked slow.
+# The quick developer loop: skips tests marked slow, and says how long it took.
 test-fast: venv
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@start=$$(date +%s); $(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 lint: venv
 	$(VENV)/bin/ruff check areal_env tests bench agents examples

@@ -1,5 +1,7 @@
 """Every error path over raw HTTP: right status, protocol's own error body, never 422/500,
-and no effect on other sessions. Plus capacity, session limits, TTL expiry and isolation."""
+and no effect on other sessions. Plus capacity, session limits, TTL expiry and isolation.
+
+No model: the proxy runs on a ``ScriptedEngine`` with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import httpx
 import pytest
 
 from areal_env.api.config import ProxyConfig
+from areal_env.engine.testing import ScriptedEngine
 from areal_env.proxy.server import ProxyServer
 from tests.fixtures.proxy import open_session
 
@@ -32,6 +35,11 @@ def _anthropic_error(r: httpx.Response, status: int) -> dict:
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"]
     return body["error"]
+
+
+@pytest.fixture(scope="module")
+def proxy_server(scripted_proxy):
+    return scripted_proxy
 
 
 @pytest.fixture(scope="module")
@@ -360,10 +368,10 @@ def test_prompt_over_context_is_413(http, key, proxy_server):
     assert e["type"] == "request_too_large"
 
 
-def test_capacity_and_session_limits(engine):
+def test_capacity_and_session_limits(tokenizer):
     cfg = ProxyConfig(initial_capacity=0, max_interactions_per_session=1)
     with (
-        ProxyServer(engine, engine.tokenizer, cfg) as p,
+        ProxyServer(ScriptedEngine(tokenizer), tokenizer, cfg) as p,
         httpx.Client(base_url=p.base_url, timeout=120) as http,
     ):
         admin = _auth(p.admin_key)
@@ -382,10 +390,10 @@ def test_capacity_and_session_limits(engine):
         assert err["code"] == "session_limit"
 
 
-def test_idle_sessions_expire(engine):
+def test_idle_sessions_expire(tokenizer):
     """An idle session is dropped after the TTL; its key then answers 410 (not 401)."""
     with (
-        ProxyServer(engine, engine.tokenizer, ProxyConfig(session_ttl=0.5)) as p,
+        ProxyServer(ScriptedEngine(tokenizer), tokenizer, ProxyConfig(session_ttl=0.5)) as p,
         httpx.Client(base_url=p.base_url, timeout=60) as http,
     ):
         _, key = open_session(p)
@@ -400,10 +408,9 @@ def test_idle_sessions_expire(engine):
         _openai_error(http.post("/rl/set_reward", json={"reward": 1}, headers=_auth(key)), 410)
 
 
-def test_engine_unavailable_is_503(model_path, tokenizer):
-    from areal_env.engine.local import LocalEngine
-
-    down = LocalEngine(model_path)  # never initialized: a real engine that cannot serve
+def test_engine_unavailable_is_503(tokenizer):
+    down = ScriptedEngine(tokenizer)
+    down.destroy()  # a destroyed engine raises EngineUnavailableError
     with ProxyServer(down, tokenizer) as p, httpx.Client(base_url=p.base_url, timeout=30) as http:
         key = open_session(p)[1]
         err = _openai_error(
@@ -427,20 +434,22 @@ def test_engine_unavailable_is_503(model_path, tokenizer):
         assert http.get("/health").status_code == 200
 
 
-def test_refuses_weak_admin_key_off_loopback(engine):
+def test_refuses_weak_admin_key_off_loopback(tokenizer):
     for key in (None, "admin", "short"):
         with pytest.raises(ValueError, match="admin key"):
-            ProxyServer(engine, engine.tokenizer, ProxyConfig(host="0.0.0.0", admin_key=key))
+            ProxyServer(
+                ScriptedEngine(tokenizer), tokenizer, ProxyConfig(host="0.0.0.0", admin_key=key)
+            )
     with pytest.raises(ValueError):
-        ProxyServer(engine, engine.tokenizer, ProxyConfig(admin_key="  "))
+        ProxyServer(ScriptedEngine(tokenizer), tokenizer, ProxyConfig(admin_key="  "))
 
 
-def test_keys_never_logged(engine, caplog):
+def test_keys_never_logged(tokenizer, caplog):
     import logging
 
     caplog.set_level(logging.DEBUG)
     with (
-        ProxyServer(engine, engine.tokenizer) as p,
+        ProxyServer(ScriptedEngine(tokenizer), tokenizer) as p,
         httpx.Client(base_url=p.base_url, timeout=60) as http,
     ):
         key = open_session(p)[1]
@@ -449,3 +458,38 @@ def test_keys_never_logged(engine, caplog):
         http.post(CHAT, json={"model": "m"}, headers=_auth(key + "x"))
         admin = p.admin_key
     assert key not in caplog.text and admin not in caplog.text
+
+
+def test_engine_failures_map_to_statuses(http, key, proxy_server):
+    """What the engine does wrong reaches the client as the right status, in both formats."""
+    from areal_env.engine.testing import Reply
+
+    engine = proxy_server.state.engine
+    body = {"model": "m", "messages": MSGS, "max_tokens": 4}
+    engine.push(ValueError("bad sampling"))
+    assert (
+        "bad sampling"
+        in _openai_error(http.post(CHAT, json=body, headers=_auth(key)), 400)["message"]
+    )
+    engine.push(Reply(token_ids=[], stop_reason="abort"))
+    assert (
+        "aborted" in _openai_error(http.post(CHAT, json=body, headers=_auth(key)), 503)["message"]
+    )
+    engine.push(Reply(text="partial", stop_reason="abort"))  # partial output counts as length
+    r = http.post(CHAT, json=body, headers=_auth(key))
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    engine.push(Reply(text="one two three four five six seven eight"))
+    r = http.post(CHAT, json=body, headers=_auth(key))
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 4
+    engine.push(RuntimeError("engine bug"))
+    e = _anthropic_error(
+        http.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 3, "messages": MSGS},
+            headers={"x-api-key": key},
+        ),
+        500,
+    )
+    assert e["type"] == "api_error" and "engine bug" not in e["message"]
+    assert engine.pending == 0

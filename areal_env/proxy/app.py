@@ -247,6 +247,10 @@ class ProxyState:
             message["content"] = ""
         if parsed.tool_parse_error:
             session.stats.tool_parse_failures += 1
+            if parsed.tool_call_recovery == "raw_arguments":
+                session.stats.tool_calls_raw_arguments += 1
+            elif parsed.tool_call_recovery == "markup_removed":
+                session.stats.tool_markup_removed += 1
         it = Interaction(
             id=prep.interaction_id,
             session_id=session.id,
@@ -263,6 +267,7 @@ class ProxyState:
                 "protocol": prep.protocol,
                 "engine_stop_reason": result.stop_reason,
                 "tool_parse_error": parsed.tool_parse_error,
+                "tool_call_recovery": parsed.tool_call_recovery,
                 "latency": time.perf_counter() - prep.started,
             },
         )

@@ -73,7 +73,10 @@ class ParsedOutput:
     finish_reason: str = "stop"
     """``stop`` | ``length`` | ``tool_calls``."""
     tool_parse_error: bool = False
-    """The text looked like a tool call but could not be parsed (returned as content)."""
+    """The text looked like a tool call but could not be parsed (then see ``tool_call_recovery``)."""
+    tool_call_recovery: str | None = None
+    """After a parse error: ``raw_arguments`` (returned as tool calls carrying the model's raw
+    arguments text) or ``markup_removed`` (returned as plain text with the markup taken out)."""
     reasoning: str | None = None
     """Text inside a leading ``<think>...</think>`` block, if the model wrote one."""
     text: str = ""
@@ -619,9 +622,12 @@ class ChatRenderer:
             body = body.lstrip()
         calls: list[dict[str, str]] = []
         error = False
+        recovery: str | None = None
         content: str | None = body
         if self._offered_tools(tools, tool_choice):
             content, calls, error = self.parser.safe_parse(body)
+            if error:
+                content, calls, recovery = self._recover(body, tools, tool_choice)
         content = self._clean(content or "")
         truncated = stop_reason in ("length", "abort")
         if calls:
@@ -640,9 +646,35 @@ class ChatRenderer:
             ],
             finish_reason=finish,
             tool_parse_error=error,
+            tool_call_recovery=recovery,
             reasoning=reasoning,
             text=text,
         )
+
+    def _recover(
+        self, body: str, tools: Any, tool_choice: Any
+    ) -> tuple[str | None, list[dict[str, str]], str]:
+        """Keep the protocol's promises for call markup that did not parse.
+
+        OpenAI's contract: a forced (named or ``required``) tool_choice always yields a tool
+        call, and ``arguments`` is the model's text, which may be invalid JSON (agent frameworks
+        answer that with their own validation error: a training signal). So: calls whose name
+        can be read come back as tool calls with their raw arguments; under a forced choice with
+        no readable name the forced (or, for ``required``, the only/first offered) tool is called
+        with the raw arguments text; otherwise the reply is plain text with the markup removed.
+        Never markup in the content.
+        """
+        found = self.parser.salvage(body)
+        calls = list(found.calls)
+        forced = tool_choice_name(tool_choice)
+        if not calls and (forced or tool_choice == "required"):
+            names = [f["name"] for f in function_specs(tools)]
+            name = forced or (names[0] if names else None)
+            if name:
+                calls = [{"name": name, "arguments": found.raw_arguments or ""}]
+        if calls:
+            return found.content, calls, "raw_arguments"
+        return found.content, [], "markup_removed"
 
     def _clean(self, text: str) -> str:
         for tok in self._strip_texts:

@@ -47,6 +47,11 @@ class SessionStats:
     spliced: int = 0
     re_renders: int = 0
     tool_parse_failures: int = 0
+    """Replies whose tool-call markup did not parse (each is one of the two below)."""
+    tool_calls_raw_arguments: int = 0
+    """... returned as tool calls carrying the model's raw (invalid) arguments text."""
+    tool_markup_removed: int = 0
+    """... returned as plain text with the call markup removed (no readable call name)."""
     prompt_tokens: int = 0
     output_tokens: int = 0
     errors: int = 0

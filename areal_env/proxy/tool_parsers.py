@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,124 @@ def _as_object(arguments: Any) -> Any:
     return arguments if arguments is not None else {}
 
 
+@dataclass
+class Salvage:
+    """What can be recovered from tool-call markup that did not parse (see ``ToolParser.salvage``).
+
+    ``content``: the text with every piece of call markup removed (None when nothing is left).
+    ``calls``: ``{"name", "arguments"}`` for each call whose name could be read; ``arguments`` is
+    the model's own text (normalised JSON when it happens to be a valid object, else verbatim,
+    possibly invalid JSON, possibly empty), as OpenAI's contract allows.
+    ``raw_arguments``: the first arguments text found even without a readable name (used when
+    the request forced a call).
+    """
+
+    content: str | None
+    calls: list[dict[str, str]] = field(default_factory=list)
+    raw_arguments: str | None = None
+
+
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,256})"')
+_ARGS_KEY_RE = re.compile(r'"(?:arguments|parameters)"\s*:')
+_CLOSERS = {"{": "}", "[": "]"}
+
+
+def _balanced_end(text: str) -> int | None:
+    """Index just past the JSON-ish value opening ``text[0]`` (string-aware), None if unclosed.
+
+    Used on text that did NOT parse as JSON, so it only tracks brackets and string quotes.
+    """
+    if not text:
+        return None
+    if text[0] == '"':
+        i = 1
+        while i < len(text):
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text[i] == '"':
+                return i + 1
+            i += 1
+        return None
+    stack = [_CLOSERS[text[0]]]
+    in_str = False
+    i = 1
+    while i < len(text):
+        ch = text[i]
+        if in_str:
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in _CLOSERS:
+            stack.append(_CLOSERS[ch])
+        elif ch in "}]":
+            if ch != stack[-1]:
+                return None
+            stack.pop()
+            if not stack:
+                return i + 1
+        i += 1
+    return None
+
+
+def raw_argument_text(segment: str, wrapper_closers: str = "}]") -> str:
+    """The model's arguments text at the start of ``segment`` (what follows ``"arguments":``).
+
+    A balanced ``{...}``/``[...]``/``"..."`` value is taken as written (even if it is not valid
+    JSON inside); otherwise the rest of the segment, minus the closers of the call wrapper.
+    """
+    seg = segment.strip()
+    if seg[:1] in ("{", "[", '"'):
+        end = _balanced_end(seg)
+        if end is not None:
+            return seg[:end]
+        return seg
+    return seg.rstrip(wrapper_closers + " \n\t,")
+
+
+def _name_text(raw: str) -> str:
+    try:
+        name = json.loads(f'"{raw}"')
+    except ValueError:
+        name = raw
+    return name.strip() if isinstance(name, str) else ""
+
+
+def _recovered_arguments(raw: str) -> str:
+    """Normalised JSON if ``raw`` is a valid object, else the raw text itself."""
+    normalized = normalize_arguments(raw) if raw else None
+    return normalized if normalized is not None else raw
+
+
+def salvage_region(region: str, content: str | None) -> Salvage:
+    """Read call names and raw arguments out of markup ``region`` by pattern, not by parsing."""
+    calls: list[dict[str, str]] = []
+    names = list(_NAME_RE.finditer(region))
+    first_args: str | None = None
+    for i, m in enumerate(names):
+        stop = names[i + 1].start() if i + 1 < len(names) else len(region)
+        seg = region[m.end() : stop]
+        key = _ARGS_KEY_RE.search(seg)
+        raw = raw_argument_text(seg[key.end() :]) if key else ""
+        if first_args is None and key:
+            first_args = raw
+        name = _name_text(m.group(1))
+        if name:
+            calls.append({"name": name, "arguments": _recovered_arguments(raw)})
+    if first_args is None:
+        key = _ARGS_KEY_RE.search(region)
+        if key:
+            first_args = raw_argument_text(region[key.end() :])
+    return Salvage(
+        content=(content.strip() or None) if content else None,
+        calls=calls,
+        raw_arguments=first_args,
+    )
+
+
 def _plain(text: str) -> ParseResult:
     return (text if text else None), [], False
 
@@ -200,6 +319,24 @@ class ToolParser:
         except Exception:  # noqa: BLE001 - parsing model output must never crash a request
             logger.exception("tool parser %s failed unexpectedly", self.name)
             return (text if text else None), [], True
+
+    def salvage(self, text: str) -> Salvage:
+        """Recover what a failed ``parse`` can still give: the text without call markup, and the
+        calls whose names can be read, each with the model's raw arguments text.
+
+        Called only after ``parse`` reported an error. Never raises; families override
+        ``split_markup`` (where the markup is), not this.
+        """
+        try:
+            outside, region = self.split_markup(text)
+            return salvage_region(region, outside)
+        except Exception:  # noqa: BLE001 - recovery must never crash a request
+            logger.exception("tool parser %s failed to salvage a call", self.name)
+            return Salvage(content=None)
+
+    def split_markup(self, text: str) -> tuple[str, str]:
+        """``(text outside any call markup, the markup itself)``; base family: no markup."""
+        return text, ""
 
     # ---- prompt side -------------------------------------------------------------------------
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
@@ -290,6 +427,11 @@ class HermesParser(ToolParser):
         content = self._block_re.sub("", text).replace(self.close_tag, "").strip()
         return (content or None), calls, False
 
+    def split_markup(self, text: str) -> tuple[str, str]:
+        region = "\n".join(b.replace(self.close_tag, "") for b in self._block_re.findall(text))
+        outside = self._block_re.sub("", text).replace(self.close_tag, "")
+        return outside, region
+
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
         items = [{"name": c["name"], "arguments": _as_object(c.get("arguments"))} for c in calls]
         return f"<tool_call>{json.dumps(items, ensure_ascii=False)}</tool_call>"
@@ -357,6 +499,14 @@ class Llama3Parser(ToolParser):
         content = (before.strip() + "\n" + rest.strip()).strip()
         return (content or None), calls, False
 
+    def split_markup(self, text: str) -> tuple[str, str]:
+        if self.python_tag in text:
+            before, body = text.split(self.python_tag, 1)
+            return before, body
+        if self._looks_like_call.match(_strip_fences(text.strip()).strip()):
+            return "", text
+        return text, ""
+
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
         return "; ".join(
             json.dumps(
@@ -409,6 +559,26 @@ class MistralParser(ToolParser):
             trailing.append(rest.strip())
         content = "\n".join(p for p in [before.strip(), *trailing] if p).strip()
         return (content or None), calls, False
+
+    def split_markup(self, text: str) -> tuple[str, str]:
+        if self.marker not in text:
+            return text, ""
+        before, rest = text.split(self.marker, 1)
+        return before, rest
+
+    def salvage(self, text: str) -> Salvage:
+        found = super().salvage(text)
+        if found.calls or self.marker not in text:
+            return found
+        # the newer ``name[ARGS]{...}`` form carries the name outside any JSON
+        for seg in text.split(self.marker)[1:]:
+            m = self._args_re.match(seg.strip())
+            if m:
+                raw = raw_argument_text(seg.strip()[m.end() :])
+                found.calls.append({"name": m.group(1), "arguments": _recovered_arguments(raw)})
+                if found.raw_arguments is None:
+                    found.raw_arguments = raw
+        return found
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
         items = [{"name": c["name"], "arguments": _as_object(c.get("arguments"))} for c in calls]

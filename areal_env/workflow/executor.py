@@ -407,6 +407,8 @@ def compute_stats(
         "groups/rejected": float(sum(g.out is None for g in groups)),
         "groups/zero_variance": 0.0,
         "tool_parse_failures": 0.0,
+        "tool_calls/raw_arguments": 0.0,
+        "tool_calls/markup_removed": 0.0,
         "time/wall": float(wall_time),
     }
     for r in records:
@@ -417,6 +419,13 @@ def compute_stats(
             if isinstance(value, (int, float)):
                 stats["tool_parse_failures"] += float(value)
                 break
+        for key, name in (
+            ("tool_calls_raw_arguments", "tool_calls/raw_arguments"),
+            ("tool_markup_removed", "tool_calls/markup_removed"),
+        ):
+            value = r.export_stats.get(key)
+            if isinstance(value, (int, float)):
+                stats[name] += float(value)
     if batch is None:
         stats.update({"rows": 0.0, "tokens/output": 0.0, "tokens/total": 0.0})
         return stats

@@ -287,16 +287,10 @@ def test_forced_tool_choice_returns_a_call(proxy_server):
         temperature=0,
     )
     msg = r.choices[0].message
-    if msg.tool_calls:
-        assert msg.tool_calls[0].function.name == "add"
-        assert r.choices[0].finish_reason == "tool_calls"
-    else:  # malformed call: returned as text and counted
-        health = (
-            openai.OpenAI(base_url=proxy_server.base_url, api_key="x")
-            ._client.get(proxy_server.base_url + "/health")
-            .json()
-        )
-        assert health["stats"]["tool_parse_failures"] >= 1
+    # a forced function is always called (its arguments may be the model's invalid JSON)
+    assert msg.tool_calls and msg.tool_calls[0].function.name == "add"
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert "<tool_call>" not in (msg.content or "")
 
 
 def test_streaming_tool_call_deltas(proxy_server):

@@ -193,8 +193,15 @@ def test_parse_output_cases(renderer, tokenizer):
 
     bad = enc(tokenizer, '<tool_call>[{"name": "add", "arguments": {"a": 1,]</tool_call>') + [2]
     p = renderer.parse_output(bad, "stop", TOOLS)
-    assert p.tool_parse_error and p.finish_reason == "stop" and p.tool_calls == []
-    assert p.content == '<tool_call>[{"name": "add", "arguments": {"a": 1,]</tool_call>'
+    # a call that does not parse is still a call, with the model's raw arguments text
+    assert p.tool_parse_error and p.tool_call_recovery == "raw_arguments"
+    assert p.finish_reason == "tool_calls" and p.content is None
+    assert [c["function"] for c in p.tool_calls] == [{"name": "add", "arguments": '{"a": 1,]'}]
+    # markup with no readable call: plain text, markup removed
+    bad = enc(tokenizer, "Let me add. <tool_call>[oops</tool_call>") + [2]
+    p = renderer.parse_output(bad, "stop", TOOLS)
+    assert p.tool_parse_error and p.tool_call_recovery == "markup_removed"
+    assert (p.finish_reason, p.tool_calls, p.content) == ("stop", [], "Let me add.")
 
     # tools not offered: a call-looking text is plain content
     p = renderer.parse_output(two, "stop", None)

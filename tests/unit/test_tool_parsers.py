@@ -272,3 +272,40 @@ def test_parsers_never_raise(parts):
             assert isinstance(json.loads(call["arguments"]), dict)
         if err:
             assert calls == [] and content == text
+
+
+@pytest.mark.parametrize(
+    "family, text, content, calls",
+    [
+        (
+            "hermes",
+            'Sure. <tool_call>[{"name": "add", "arguments": {"a": 1</tool_call> done',
+            "Sure.  done",
+            [("add", '{"a": 1')],
+        ),
+        ("hermes", "<tool_call>garbage</tool_call>", None, []),
+        (
+            "hermes",
+            '<tool_call>[{"name": "add", "arguments": {"a": 1}}, '
+            '{"name": "sub", "arguments": {x}}]</tool_call>',
+            None,
+            [("add", '{"a": 1}'), ("sub", "{x}")],
+        ),
+        (
+            "qwen",
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>',
+            None,
+            [("add", '{"a": 1,}')],
+        ),
+        ("llama3", '{"name": "add", "parameters": {a: 1}}', None, [("add", "{a: 1}")]),
+        ("llama3", 'Hi <|python_tag|>{"name": "add", "parameters": [', "Hi", [("add", "[")]),
+        ("mistral", "hi [TOOL_CALLS]add[ARGS]{a: 1}", "hi", [("add", "{a: 1}")]),
+        ("mistral", 'x [TOOL_CALLS][{"name": "f", "arguments": oops}]', "x", [("f", "oops")]),
+    ],
+)
+def test_salvage_recovers_names_and_raw_arguments(family, text, content, calls):
+    parser = get_tool_parser(family)
+    assert parser.parse(text)[2] is True  # these really fail to parse
+    found = parser.salvage(text)
+    assert found.content == content
+    assert [(c["name"], c["arguments"]) for c in found.calls] == calls

@@ -82,7 +82,7 @@ def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
                             "type": "function",
                             "function": {
                                 "name": b["name"],
-                                "arguments": json.dumps(inp, ensure_ascii=False),
+                                "arguments": _arguments_of_input(inp),
                             },
                         }
                     )
@@ -205,12 +205,28 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
+RAW_ARGUMENTS_KEY = "_raw_arguments"
+"""``tool_use.input`` must be an object. When the model's arguments are not a JSON object, the
+proxy sends ``{"_raw_arguments": "<the model's text>"}``: the tool sees an argument it does not
+accept and answers with its own validation error (the same training signal an OpenAI client gets
+from invalid ``arguments``), and when the client sends that block back the proxy restores the
+exact text, so the next turn still splices onto the model's own tokens."""
+
+
 def _input(call: dict[str, Any]) -> dict[str, Any]:
+    raw = call["function"]["arguments"]
     try:
-        v = json.loads(call["function"]["arguments"] or "{}")
+        v = json.loads(raw or "{}")
     except (TypeError, ValueError):
-        return {}
-    return v if isinstance(v, dict) else {"value": v}
+        return {RAW_ARGUMENTS_KEY: raw if isinstance(raw, str) else ""}
+    return v if isinstance(v, dict) else {RAW_ARGUMENTS_KEY: raw}
+
+
+def _arguments_of_input(inp: dict[str, Any]) -> str:
+    """``tool_use.input`` back to an arguments string (inverse of ``_input``)."""
+    if set(inp) == {RAW_ARGUMENTS_KEY} and isinstance(inp[RAW_ARGUMENTS_KEY], str):
+        return inp[RAW_ARGUMENTS_KEY]
+    return json.dumps(inp, ensure_ascii=False)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

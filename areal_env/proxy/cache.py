@@ -418,9 +418,10 @@ class InteractionCache:
 
     # ---- rewards ----
     def set_reward(self, reward: float, interaction_id: str | None = None) -> str:
-        """Add ``reward`` to an interaction (None = the last added); returns its id.
+        """Set an interaction's reward (None = the last added); returns its id.
 
-        Rewards add up when set twice. ``KeyError`` for an unknown id or an empty session,
+        Setting replaces: a client that retries ``set_reward`` after a timeout (the first call
+        may have landed) gets the same reward, never twice the reward. ``KeyError`` for an unknown id or an empty session,
         ``ValueError`` for a non-finite reward.
         """
         value = float(reward)
@@ -432,7 +433,7 @@ class InteractionCache:
                     raise KeyError("no interaction to reward in this session")
                 interaction_id = self._last
             it = self.get(interaction_id)
-            it.reward = (it.reward or 0.0) + value
+            it.reward = value
             return it.id
 
     def discounted_rewards(self, discount: float) -> dict[str, float]:

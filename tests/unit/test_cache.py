@@ -178,7 +178,7 @@ def test_limits_raise_and_leave_cache_unchanged():
     assert issubclass(SessionLimitError, ValueError)
 
 
-def test_set_reward_last_adds_and_errors():
+def test_set_reward_last_replaces_and_errors():
     c = InteractionCache()
     with pytest.raises(KeyError):
         c.set_reward(1.0)
@@ -188,7 +188,8 @@ def test_set_reward_last_adds_and_errors():
     c.add(b)
     assert c.set_reward(1.0) == b.id
     c.set_reward(0.5, b.id)
-    assert b.reward == 1.5 and a.reward is None
+    c.set_reward(0.5, b.id)  # a retried call: set, never added
+    assert b.reward == 0.5 and a.reward is None
     with pytest.raises(KeyError):
         c.set_reward(1.0, "unknown")
     with pytest.raises(ValueError):
@@ -285,6 +286,7 @@ def test_tree_discount_properties(tree, discount):
     while parents[j] is not None:
         j = parents[j]
         ancestors.add(j)
+    bump = 10.0 - (rewards[leaf] or 0)  # setting replaces the leaf's own reward
     c.set_reward(10.0, nodes[leaf].id)
     after = c.discounted_rewards(discount)
     for i, node in enumerate(nodes):
@@ -292,7 +294,7 @@ def test_tree_discount_properties(tree, discount):
             assert after[node.id] == pytest.approx(values[node.id])
     if discount == 1.0:
         for i in ancestors:
-            assert after[nodes[i].id] == pytest.approx(values[nodes[i].id] + 10.0)
+            assert after[nodes[i].id] == pytest.approx(values[nodes[i].id] + bump)
 
 
 @settings(max_examples=60, deadline=None)

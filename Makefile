@@ -4,11 +4,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# aenvironment's environment servers (`python -m aenv.main`) run from a venv of their own:
+# the aenvironment SDK pins pydantic<2.12 / mcp<2 / fastmcp<3, the core runs on current SDKs.
+AENV_VENV ?= .venv-aenv
+AENV_STAMP := $(AENV_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-fast lint format bench clean
+.PHONY: venv venv-aenv demo test test-fast lint format bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(AENV_STAMP)
+
+venv-aenv: $(AENV_STAMP)
+
+$(AENV_STAMP):
+	test -x $(AENV_VENV)/bin/python || $(PYTHON) -m venv $(AENV_VENV)
+	$(AENV_VENV)/bin/python -m pip install -q aenvironment==0.1.7
+	touch $(AENV_STAMP)
 
 # torch==2.13.0 is the pinned build: a CPU wheel on CPU machines (a CUDA build on GPU machines).
 $(STAMP): pyproject.toml
@@ -40,4 +51,4 @@ format: venv
 	$(VENV)/bin/ruff check --fix areal_env tests bench agents examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache outputs
+	rm -rf $(VENV) $(AENV_VENV) .pytest_cache outputs

@@ -1,13 +1,14 @@
-"""``RunnerAgent``: an OpenAI Agents SDK agent (``Runner.run``) on an AEnvironment.
+"""``RunnerAgent``: an OpenAI Agents SDK agent (``Runner.run``) on a tool environment.
 
 Train it unchanged: ``workflow="agents/openai_agents_runner.py:RunnerAgent"`` with
-``workflow_kwargs={"aenv_config": {...}}``. The environment's tools become ``FunctionTool``\\ s
-with OpenAI-valid names (``calculator@1.0.0/add`` → ``add``), executed through
-``AenvEnvironmentAdapter`` (safe retries, release on every exit). The Agents SDK talks to the
+``workflow_kwargs={"aenv_config": {...}}`` (an aenvironment server) or
+``{"mcp_config": {...}, "reward_fn": "module:fn"}`` (any MCP server). The environment's tools
+become ``FunctionTool``\\ s with OpenAI-valid names (``calculator@1.0.0/add`` → ``add``),
+executed through the environment adapter (safe retries, release on every exit). The Agents SDK talks to the
 injected ``base_url`` with Chat Completions (it does not stream with ``Runner.run``), so the proxy
 records every model call.
 
-Agents SDK behaviour worth knowing (openai-agents 0.4.2): a tool name the model invents aborts
+Agents SDK behaviour worth knowing (openai-agents 0.24): a tool name the model invents aborts
 the run (``ModelBehaviorError``), and so does running out of turns (``MaxTurnsExceeded``). Both
 still get a reward here (the final answer is then whatever the model last said), so the policy
 learns from those episodes instead of losing them.
@@ -20,15 +21,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
 from areal_env.infra.aenv.config import AenvConfig
-from areal_env.infra.aenv.episode import (
+from areal_env.infra.base import EnvError, ToolEnvironment
+from areal_env.infra.episode import (
     EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
     logged_tool_call,
 )
+from areal_env.infra.mcp.config import McpConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class RunnerAgent(EnvAgentBase):
         max_tokens: int | None = None,
         tool_error_policy: str | None = None,
         model: str | None = None,
+        mcp_config: McpConfig | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -74,33 +77,42 @@ class RunnerAgent(EnvAgentBase):
             max_tokens=max_tokens,
             tool_error_policy=tool_error_policy,
             model=model,
+            mcp_config=mcp_config,
         )
         self.first_turn_tool_choice = first_turn_tool_choice
 
     # ------------------------------------------------------------------------------------------
     def _function_tools(
         self,
-        env: AenvEnvironmentAdapter,
+        env: ToolEnvironment,
         tools: list[dict[str, Any]],
         name_map: dict[str, str],
         tool_log: list[dict[str, Any]],
+        failures: list[BaseException],
     ) -> list[Any]:
         from agents import FunctionTool
 
         def make_invoke(openai_name: str) -> Callable[[Any, str], Any]:
             async def invoke(_ctx: Any, raw_args: str) -> str:
-                # transport failures (AenvToolCallError) propagate: the episode is rejected
-                entry = await logged_tool_call(
-                    env,
-                    name_map,
-                    openai_name,
-                    raw_args,
-                    tool_log,
-                    unknown_text=f"Error: unknown tool {openai_name!r}",
-                )
+                # Transport failures (EnvToolCallError) and ToolErrorRaised must reject the
+                # episode. The Agents SDK may turn a tool's exception into a message for the
+                # model, so they are also recorded here and raised again after the run.
+                try:
+                    entry = await logged_tool_call(
+                        env,
+                        name_map,
+                        openai_name,
+                        raw_args,
+                        tool_log,
+                        unknown_text=f"Error: unknown tool {openai_name!r}",
+                    )
+                except EnvError as e:
+                    failures.append(e)
+                    raise
                 text = entry["result"]
                 if entry["is_error"] and self.config.tool_error_policy == "raise":
-                    raise ToolErrorRaised(f"tool call {openai_name!r} failed: {text}")
+                    failures.append(ToolErrorRaised(f"tool call {openai_name!r} failed: {text}"))
+                    raise failures[-1]
                 return text
 
             return invoke
@@ -141,10 +153,11 @@ class RunnerAgent(EnvAgentBase):
             async with self.pool.adapter() as env:
                 tools, name_map = await env.openai_tools()
                 tool_log: list[dict[str, Any]] = []
+                failures: list[BaseException] = []
                 agent = Agent(
                     name="aenv-runner",
                     instructions=self.system_prompt,
-                    tools=self._function_tools(env, tools, name_map, tool_log),
+                    tools=self._function_tools(env, tools, name_map, tool_log, failures),
                     model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
                     model_settings=settings,
                 )
@@ -156,7 +169,11 @@ class RunnerAgent(EnvAgentBase):
                     )
                     final_answer = str(result.final_output or "")
                     items = list(result.new_items)
-                except (MaxTurnsExceeded, ModelBehaviorError) as e:
+                except Exception as e:
+                    if failures:
+                        raise failures[0] from e
+                    if not isinstance(e, (MaxTurnsExceeded, ModelBehaviorError)):
+                        raise
                     logger.debug("run ended early: %s", e)
                     run_data = getattr(e, "run_data", None)
                     items = list(getattr(run_data, "new_items", []) or [])
@@ -166,6 +183,8 @@ class RunnerAgent(EnvAgentBase):
                         if getattr(i, "type", "") == "message_output_item"
                     ]
                     final_answer = texts[-1] if texts else ""
+                if failures:
+                    raise failures[0]
                 transcript = [*messages, *(_item_dict(i) for i in items)]
                 outcome = EpisodeOutcome(data, final_answer, transcript, tool_log)
                 return await compute_reward(outcome, env, self.reward_fn)

@@ -22,15 +22,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
 from areal_env.infra.aenv.config import AenvConfig
-from areal_env.infra.aenv.episode import (
+from areal_env.infra.base import ToolEnvironment
+from areal_env.infra.episode import (
     EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
     logged_tool_call,
 )
+from areal_env.infra.mcp.config import McpConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class AenvAgent(EnvAgentBase):
         max_tokens: int | None = None,
         tool_error_policy: str | None = None,
         model: str | None = None,
+        mcp_config: McpConfig | dict[str, Any] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
     ) -> None:
@@ -93,6 +95,7 @@ class AenvAgent(EnvAgentBase):
             max_tokens=max_tokens,
             tool_error_policy=tool_error_policy,
             model=model,
+            mcp_config=mcp_config,
         )
         self.tool_choice = tool_choice
         self.first_turn_tool_choice = first_turn_tool_choice
@@ -117,7 +120,7 @@ class AenvAgent(EnvAgentBase):
         return self.pool.adapter()
 
     async def _episode(
-        self, client: Any, model: str, env: AenvEnvironmentAdapter, data: dict[str, Any]
+        self, client: Any, model: str, env: ToolEnvironment, data: dict[str, Any]
     ) -> EpisodeOutcome:
         tools, name_map = await env.openai_tools()
         messages = initial_messages(data, self.system_prompt)
@@ -159,7 +162,7 @@ class AenvAgent(EnvAgentBase):
 
     async def _run_tool(
         self,
-        env: AenvEnvironmentAdapter,
+        env: ToolEnvironment,
         name_map: dict[str, str],
         call: Any,
         tool_log: list[dict[str, Any]],

@@ -346,7 +346,11 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                 return None
             except Exception as e:
                 tb = getattr(e, "remote_traceback", None) or traceback.format_exc()
-                self._reject(rec, "agent_error", f"{type(e).__name__}: {e}", tb)
+                # errors that know why the episode failed say so (e.g. the tool environment's
+                # server died: "env_server_died"); the rest are the agent's own errors
+                reason = getattr(e, "rejection_reason", None)
+                reason = reason if isinstance(reason, str) and reason else "agent_error"
+                self._reject(rec, reason, f"{type(e).__name__}: {e}", tb)
                 return None
             try:
                 reward = validate_reward(ret)

@@ -67,8 +67,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
 
     t0 = time.monotonic()
+    # The servers run from the aenvironment SDK in a venv of its own (.venv-aenv, created on
+    # first use; aenv_config.server_python or $AREAL_ENV_AENV_PYTHON choose another).
+    server_python = (cfg.workflow_kwargs.get("aenv_config") or {}).get("server_python")
     with AenvServerLauncher(
-        args.tools, num_servers=args.servers, log_dir=cfg.run_dir / "aenv-logs"
+        args.tools,
+        num_servers=args.servers,
+        log_dir=cfg.run_dir / "aenv-logs",
+        python=server_python,
     ) as servers:
         kwargs = dict(cfg.workflow_kwargs)
         aenv_config = dict(kwargs.get("aenv_config") or {})

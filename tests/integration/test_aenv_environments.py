@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from areal_env.infra.aenv import AenvEnvironmentAdapter, AenvToolCallError
-from areal_env.infra.aenv.episode import EnvironmentPool
+from areal_env.infra.episode import EnvironmentPool
 
 pytestmark = pytest.mark.integration
 

@@ -90,7 +90,7 @@ class _KillingAgent(AenvAgent):
         if data.get("kill"):
             launcher, index = self.doomed
             cfg = self.config.new(aenv_url=launcher.urls[index], max_retries=1)
-            from areal_env.infra.aenv.episode import EnvironmentPool
+            from areal_env.infra.episode import EnvironmentPool
 
             return EnvironmentPool(cfg).adapter()
         return super().open_environment(data)

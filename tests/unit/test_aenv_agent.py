@@ -12,7 +12,7 @@ import pytest
 from areal_env.aenv_agent import AenvAgent, ToolErrorRaised
 from areal_env.api.io import GenerationConfig
 from areal_env.infra.aenv import AenvEnvironmentAdapter, AenvToolCallError
-from areal_env.infra.aenv.episode import (
+from areal_env.infra.episode import (
     EnvironmentPool,
     initial_messages,
     make_config,

@@ -37,7 +37,9 @@ def test_defaults_are_valid():
         ("tool_error_policy", "ignore"),
         ("skip_health_check", "yes"),
         ("auto_release", 1),
-        ("sdk_log_level", "LOUD"),
+        ("max_tool_output_tokens", 0),
+        ("labels", {"a": 1}),
+        ("arguments", "--x"),
     ],
 )
 def test_bad_values_name_the_field(field, value):

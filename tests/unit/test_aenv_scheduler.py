@@ -103,12 +103,35 @@ def _cfg(cp: ControlPlane, **kw) -> AenvConfig:
 async def test_instance_created_used_and_deleted(service):
     async with AenvEnvironmentAdapter(_cfg(service)) as env:
         assert (await env.call_tool("add", {"a": 4, "b": 5})).text == "9"
-        assert env._env.proxy_headers["AEnvCore-EnvInstance-ID"] == "inst-1"
+        assert env.headers["AEnvCore-EnvInstance-ID"] == "inst-1"
+        assert env.headers["AEnvCore-MCPProxy-URL"] == f"http://{service.host}:8081"
     (req,) = service.created
     assert req["envName"] == "calculator@1.0.0" and req["ttl"] == "10m"
     assert req["environment_variables"]["SPLIT"] == "train"
+    assert req["environment_variables"]["envNAME"] == "calculator"
+    assert req["environment_variables"]["envversion"] == "1.0.0"
+    assert "owner" not in req and "labels" not in req  # absent options are left out
     assert service.auth == ["Bearer sk-test-123"]
     assert service.deleted == ["inst-1"]
+
+
+async def test_instance_options_are_sent(service):
+    cfg = _cfg(
+        service,
+        datasource="oss://bucket/data",
+        labels={"team": "rl"},
+        owner="alice",
+        mount_points=[{"id": "OSS_1", "remote_dir": "/data", "local_dir": "/workspace"}],
+        arguments=["--split", "train"],
+    )
+    async with AenvEnvironmentAdapter(cfg) as env:
+        assert (await env.call_tool("multiply", {"a": 3, "b": 5})).text == "15"
+    (req,) = service.created
+    assert req["datasource"] == "oss://bucket/data" and req["owner"] == "alice"
+    assert req["labels"] == {"team": "rl"} and req["arguments"] == ["--split", "train"]
+    assert req["mount_points"] == [
+        {"id": "OSS_1", "remote_dir": "/data", "local_dir": "/workspace"}
+    ]
 
 
 async def test_instance_deleted_when_episode_is_cancelled(service):

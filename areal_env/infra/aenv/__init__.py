@@ -1,4 +1,4 @@
-"""AEnvironment integration: config, the SDK adapter, tool-schema conversion, server launcher."""
+"""AEnvironment integration: config, the wire-protocol adapter, tool schemas, server launcher."""
 
 from areal_env.infra.aenv.adapter import (
     AenvCallError,

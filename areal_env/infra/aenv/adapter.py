@@ -1,16 +1,22 @@
-"""``AenvEnvironmentAdapter``: one environment instance for one episode, used safely.
+"""``AenvEnvironmentAdapter``: one aenvironment instance for one episode, used safely.
 
-It wraps ``aenv.Environment`` (aenvironment 0.1.7) and fixes what an RL loop needs:
+It speaks aenvironment's wire protocol itself (no import of the ``aenv`` SDK, whose pins would
+hold the core's SDKs back): the data plane is MCP streamable HTTP at ``http://HOST:8081/mcp``
+(official ``mcp`` SDK), the reward is ``POST /task/reward``, functions are
+``POST /functions/<name>`` (answers ``{"success": true, "data": ...}`` or
+``{"success": false, "error": ...}``), readiness is ``GET /functions/list``; scheduler mode
+creates and deletes instances on the control plane (``control.py``). Contracts are pinned by the
+tests against real ``python -m aenv.main`` servers.
 
-* readiness is our own ``GET /functions/list`` probe: the SDK's ``/health`` probe always asks
-  ``localhost:8081`` whatever the environment's address, so it may hang or report another server;
+What an RL loop needs on top:
+
+* readiness is our own ``GET /functions/list`` probe (the server's ``/health`` always probes
+  ``localhost:8081``, whatever its own address);
 * release happens on every exit path, cancellation included;
-* retries happen only where the tool can not have run: the connection was refused, the server
-  answered 502/503/504, or a restarted server did not know our MCP session. A timeout or a broken
-  connection after the request was sent is *not* retried (tools need not be idempotent), and a
-  tool that ran and reported an error is a result, not a failure;
-* a dead server is noticed in milliseconds (a cheap probe before each call) instead of after the
-  MCP client's full request timeout;
+* retries happen only where the tool can not have run (see ``mcp_session``); a timeout or a
+  broken connection after the request was sent is *not* retried, and a tool that ran and
+  reported an error is a result, not a failure;
+* a dead server is noticed in milliseconds (a cheap probe before each call);
 * URLs are logged without credentials.
 """
 
@@ -18,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -35,44 +39,45 @@ from tenacity import (
 )
 
 from areal_env.infra.aenv.config import AenvConfig, redact_url
+from areal_env.infra.aenv.control import (
+    CONTROL_PORT,
+    ControlPlaneClient,
+    Instance,
+    routing_headers,
+)
 from areal_env.infra.aenv.schema import normalize_openai_tools
+from areal_env.infra.base import (
+    EnvCallError,
+    EnvError,
+    EnvServerDiedError,
+    EnvToolCallError,
+    EnvUnavailableError,
+    ToolCallResult,
+    render_tool_output,
+    reward_value,
+)
+from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead
 
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({502, 503, 504})
 
+# The names this module exported before the ToolEnvironment protocol (kept for users).
+AenvError = EnvError
+AenvUnavailableError = EnvUnavailableError
+AenvToolCallError = EnvToolCallError
+AenvCallError = EnvCallError
 
-class AenvError(RuntimeError):
-    """Base class of the adapter's errors."""
-
-
-class AenvUnavailableError(AenvError):
-    """The environment did not become ready, or could not be reached after the safe retries."""
-
-
-class AenvToolCallError(AenvError):
-    """A tool call failed in transport (not a tool error result): names tool, attempts, cause."""
-
-    def __init__(self, tool_name: str, attempts: int, cause: BaseException, where: str):
-        self.tool_name = tool_name
-        self.attempts = attempts
-        self.cause = cause
-        super().__init__(
-            f"tool {tool_name!r} on {where} failed after {attempts} attempt(s): "
-            f"{type(cause).__name__}: {cause}"
-        )
-
-
-class AenvCallError(AenvError):
-    """A reward or function call failed (after the safe retries)."""
-
-    def __init__(self, what: str, attempts: int, cause: BaseException, where: str):
-        self.what = what
-        self.attempts = attempts
-        self.cause = cause
-        super().__init__(
-            f"{what} on {where} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}"
-        )
+__all__ = [
+    "AenvCallError",
+    "AenvEnvironmentAdapter",
+    "AenvError",
+    "AenvToolCallError",
+    "AenvUnavailableError",
+    "ToolCallResult",
+    "is_retry_safe",
+    "reward_value",
+]
 
 
 class _RetrySafe(Exception):
@@ -83,88 +88,54 @@ class _RetrySafe(Exception):
         self.cause = cause
 
 
-@dataclass
-class ToolCallResult:
-    """What a tool returned. ``is_error`` = the tool ran (or was refused) and reported an error."""
-
-    text: str
-    is_error: bool = False
-    content: list[dict[str, Any]] = field(default_factory=list)
-
-
-_sdk_logging_configured = False
-
-
-def configure_sdk_logging(level: str | int = "WARNING") -> None:
-    """Route the SDK's loggers through standard logging at ``level``.
-
-    The SDK installs its own colour handler on stdout and logs every call at INFO; we drop that
-    handler (records still propagate to the application's handlers) and raise the level.
-    """
-    global _sdk_logging_configured
-    import aenv.core.logging  # noqa: F401  (installs the SDK handler and level we then replace)
-
-    sdk_logger = logging.getLogger("aenv")
-    sdk_logger.setLevel(level if isinstance(level, int) else level.upper())
-    if not _sdk_logging_configured:
-        for handler in list(sdk_logger.handlers):
-            if isinstance(handler, logging.StreamHandler):
-                sdk_logger.removeHandler(handler)
-        _sdk_logging_configured = True
-
-
-def _chain(exc: BaseException | None):
-    """``exc`` and its causes/contexts (the SDK wraps transport errors several levels deep)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        if isinstance(exc, BaseExceptionGroup):
-            for sub in exc.exceptions:
-                yield from _chain(sub)
-        exc = exc.__cause__ or exc.__context__
-
-
 def is_retry_safe(exc: BaseException) -> bool:
-    """True when ``exc`` proves the request never ran on the environment."""
-    for e in _chain(exc):
+    """True when ``exc`` proves an HTTP request never ran on the environment: the connection
+    was refused, or a gateway answered 502/503/504 (decided from types and status codes)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, SessionDead):
+            return e.retry_safe
         if isinstance(e, httpx.ConnectError):
             return True
         if isinstance(e, httpx.HTTPStatusError) and e.response.status_code in RETRY_STATUS:
             return True
-        if type(e).__name__ == "McpError" and "session terminated" in str(e).lower():
-            return True  # 404: a restarted server did not know our session; nothing ran
-        if "Failed to establish session" in str(e) or "Failed to establish MCP session" in str(e):
-            return True  # the SDK never sent the tool call
+        e = e.__cause__ or e.__context__
     return False
 
 
-def _result_text(content: list[dict[str, Any]]) -> str:
-    parts = []
-    for item in content:
-        if isinstance(item, dict) and item.get("type") == "text" and "text" in item:
-            parts.append(str(item["text"]))
-        else:
-            parts.append(json.dumps(item, ensure_ascii=False, default=str))
-    return "\n".join(parts)
-
-
 class AenvEnvironmentAdapter:
-    """Async context manager over ``aenv.Environment`` for one episode.
+    """Async context manager over one aenvironment instance for one episode.
 
     ``async with AenvEnvironmentAdapter(cfg) as env: tools = await env.list_tools()``.
+    Implements ``areal_env.infra.ToolEnvironment``.
     """
+
+    has_reward = True
 
     def __init__(self, config: AenvConfig | dict[str, Any]):
         self.config = config if isinstance(config, AenvConfig) else AenvConfig.from_dict(config)
-        configure_sdk_logging(self.config.sdk_log_level)
-        self._env: Any = None
         self._http: httpx.AsyncClient | None = None
+        self._control: ControlPlaneClient | None = None
+        self._session: McpSession | None = None
+        self.instance: Instance | None = None
+        self.headers: dict[str, str] = {}
+        """Data-plane routing headers (scheduler mode: the gateway routes by them)."""
         self._tools: list[dict[str, Any]] | None = None
         self._openai: tuple[list[dict[str, Any]], dict[str, str]] | None = None
         self._lock = asyncio.Lock()
+        self._session_lock = asyncio.Lock()
         self._initialized = False
         self.where = f"environment {self.config.env_name} at {redact_url(self.config.aenv_url)}"
+
+    @property
+    def tool_error_policy(self) -> str:
+        return self.config.tool_error_policy
+
+    @property
+    def data_plane_url(self) -> str:
+        return self.config.data_plane_url
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> AenvEnvironmentAdapter:
@@ -183,50 +154,62 @@ class AenvEnvironmentAdapter:
         """Create (scheduler mode) or attach to (direct mode) the instance and wait until ready."""
         if self._initialized:
             return
-        from aenv import Environment
-
         cfg = self.config
-        self._env = Environment(
-            cfg.env_name,
-            aenv_url=cfg.aenv_url,
-            api_key=cfg.api_key,
-            ttl=cfg.ttl,
-            environment_variables=dict(cfg.environment_variables),
-            timeout=cfg.timeout,
-            startup_timeout=cfg.startup_timeout,
-            max_retries=cfg.max_retries,
-            skip_for_healthy=True,  # the SDK probe is broken (see module docstring)
-        )
-        # The SDK's local mode is switched by the DUMMY_INSTANCE_IP environment variable; set the
-        # attribute instead so that several environments (and modes) coexist in one process.
-        self._env.dummy_instance_ip = cfg.host if cfg.mode == "direct" else None
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(min(5.0, cfg.timeout)))
         try:
-            await asyncio.wait_for(self._env.initialize(), cfg.startup_timeout)
-            if cfg.mode == "scheduler" and not self._env.proxy_headers and self._env._instance:
-                # With skip_for_healthy the SDK never sets its gateway routing headers.
-                from aenv.core.environment import make_mcp_url
-
-                inst = self._env._instance
-                self._env.proxy_headers = {
-                    "AEnvCore-MCPProxy-URL": make_mcp_url(inst.ip, 8081),
-                    "AEnvCore-EnvInstance-ID": inst.id,
-                }
-            if not cfg.skip_health_check:
-                await self.wait_ready(cfg.startup_timeout)
+            async with asyncio.timeout(cfg.startup_timeout):
+                if cfg.mode == "scheduler":
+                    await self._create_instance()
+                if not cfg.skip_health_check:
+                    await self.wait_ready(cfg.startup_timeout)
             self._initialized = True
             logger.debug("attached to %s", self.where)
-        except AenvError:
+        except TimeoutError as e:
+            await self.release()
+            raise EnvUnavailableError(
+                f"{self.where} not ready after {cfg.startup_timeout:.1f}s"
+            ) from e
+        except EnvError:
             await self.release()
             raise
         except Exception as e:
             await self.release()
-            raise AenvUnavailableError(
+            raise EnvUnavailableError(
                 f"{self.where} could not be initialized: {type(e).__name__}: {e}"
             ) from e
         except BaseException:
             await self.release()
             raise
+
+    async def _create_instance(self) -> None:
+        cfg = self.config
+        self._control = ControlPlaneClient(
+            f"http://{cfg.host}:{CONTROL_PORT}", api_key=cfg.api_key, timeout=cfg.timeout
+        )
+        name, _, version = cfg.env_name.partition("@")
+        request: dict[str, Any] = {
+            "envName": cfg.env_name,
+            "datasource": cfg.datasource,
+            "ttl": cfg.ttl,
+            "environment_variables": {
+                **cfg.environment_variables,
+                "envNAME": name,
+                "envversion": version,
+            },
+            "arguments": list(cfg.arguments),
+        }
+        for key in ("owner", "labels", "mount_points"):
+            if getattr(cfg, key) is not None:
+                request[key] = getattr(cfg, key)
+        async for attempt in self._retrying(reraise=True):
+            with attempt:
+                try:
+                    self.instance = await self._control.create(request)
+                except httpx.ConnectError as e:
+                    raise _RetrySafe(e) from e
+        assert self.instance is not None
+        self.instance = await self._control.wait_running(self.instance, cfg.startup_timeout)
+        self.headers = routing_headers(self.instance)
 
     async def wait_ready(self, timeout: float) -> None:
         """Poll ``GET /functions/list`` until the server answers 200 (or raise)."""
@@ -242,7 +225,7 @@ class AenvEnvironmentAdapter:
             except httpx.HTTPError as e:
                 last = e
             if time.monotonic() + delay > deadline:
-                raise AenvUnavailableError(
+                raise EnvUnavailableError(
                     f"{self.where} not ready after {timeout:.1f}s (last: {last})"
                 )
             await asyncio.sleep(delay)
@@ -254,12 +237,13 @@ class AenvEnvironmentAdapter:
         Runs to completion even when the calling task is cancelled meanwhile (the cancellation
         is re-raised afterwards), so instances do not leak.
         """
-        env, http = self._env, self._http
-        self._env, self._http, self._initialized = None, None, False
+        session, http, control, instance = self._session, self._http, self._control, self.instance
+        self._session = self._http = self._control = self.instance = None
+        self._initialized = False
         self._tools = self._openai = None  # a new instance may have other tools
-        if env is None and http is None:
+        if session is None and http is None and control is None:
             return
-        task = asyncio.ensure_future(self._release(env, http))
+        task = asyncio.ensure_future(self._release(session, http, control, instance))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -267,34 +251,48 @@ class AenvEnvironmentAdapter:
                 await asyncio.wait_for(task, self.config.timeout)
             raise
 
-    async def _release(self, env: Any, http: httpx.AsyncClient | None) -> None:
-        if env is not None:
-            try:
-                await asyncio.wait_for(env.release(), self.config.timeout)
-            except BaseException as e:  # noqa: BLE001 - release must not fail the episode
-                logger.warning("releasing %s failed: %s: %s", self.where, type(e).__name__, e)
+    async def _release(
+        self,
+        session: McpSession | None,
+        http: httpx.AsyncClient | None,
+        control: ControlPlaneClient | None,
+        instance: Instance | None,
+    ) -> None:
+        if session is not None:
+            await session.close()
+        if control is not None:
+            if instance is not None:
+                try:
+                    await asyncio.wait_for(control.delete(instance.id), self.config.timeout)
+                except BaseException as e:  # noqa: BLE001 - release must not fail the episode
+                    logger.warning(
+                        "deleting instance %s of %s failed: %s: %s",
+                        instance.id,
+                        self.where,
+                        type(e).__name__,
+                        e,
+                    )
+            with contextlib.suppress(Exception):
+                await control.aclose()
         if http is not None:
             with contextlib.suppress(Exception):
                 await http.aclose()
 
     # ---------------------------------------------------------------- helpers
-    def _require(self) -> Any:
-        if self._env is None or not self._initialized:
-            raise AenvError(f"{self.where} is not initialized (use 'async with' or initialize())")
-        return self._env
+    def _require(self) -> None:
+        if not self._initialized:
+            raise EnvError(f"{self.where} is not initialized (use 'async with' or initialize())")
 
     async def _probe(self) -> httpx.Response:
-        assert self._http is not None and self._env is not None
-        return await self._http.get(
-            f"{self.config.data_plane_url}/functions/list", headers=self._env.proxy_headers
-        )
+        assert self._http is not None
+        return await self._http.get(f"{self.data_plane_url}/functions/list", headers=self.headers)
 
     async def _preflight(self) -> None:
         """Cheap reachability check before a call: a refused connection is safe to retry."""
         try:
             r = await self._probe()
         except httpx.ConnectError as e:
-            await self._reset_session()
+            await self._drop_session()
             raise _RetrySafe(e) from e
         except httpx.HTTPError:
             return  # inconclusive: let the real call decide
@@ -303,23 +301,38 @@ class AenvEnvironmentAdapter:
                 httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
             )
 
-    async def _reset_session(self) -> None:
-        """Drop the SDK's MCP session so the next call opens a new one (server restarted)."""
-        env = self._env
-        if env is None or env._mcp_client is None:
-            return
-        client, env._mcp_client, env._mcp_session_active = env._mcp_client, None, False
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(client.close(), 2.0)
+    async def _mcp(self) -> McpSession:
+        """The open MCP session (opened on first use, re-opened after a server restart)."""
+        async with self._session_lock:
+            if self._session is not None and self._session.alive:
+                return self._session
+            if self._session is not None:
+                await self._session.close()
+            session = McpSession(
+                HttpTarget(f"{self.data_plane_url}/mcp", dict(self.headers)),
+                timeout=self.config.timeout,
+                where=self.where,
+            )
+            try:
+                await session.open(self.config.timeout)
+            except SessionDead as e:
+                raise _RetrySafe(e) from e
+            self._session = session
+            return session
 
-    def _retrying(self) -> AsyncRetrying:
+    async def _drop_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _retrying(self, reraise: bool = False) -> AsyncRetrying:
         cfg = self.config
         return AsyncRetrying(
             stop=stop_after_attempt(cfg.max_retries + 1),
             wait=wait_exponential(multiplier=cfg.retry_delay, max=cfg.retry_delay * 16)
             + wait_random(0, cfg.retry_delay),
             retry=retry_if_exception_type(_RetrySafe),
-            reraise=False,
+            reraise=reraise,
             before_sleep=lambda rs: logger.info(
                 "retrying on %s after attempt %d: %s",
                 self.where,
@@ -329,19 +342,30 @@ class AenvEnvironmentAdapter:
         )
 
     @staticmethod
-    def _raise_if_cancelled() -> None:
-        # The SDK catches CancelledError (turning it into ToolError, or retrying a session
-        # set-up); a cancelled task must still stop, so check after every SDK call.
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise asyncio.CancelledError()
+    def _cause(e: RetryError) -> BaseException:
+        cause = e.last_attempt.exception()
+        while isinstance(cause, _RetrySafe):
+            cause = cause.cause
+        if isinstance(cause, SessionDead) and cause.cause is not None:
+            inner = cause.cause
+            for c in (inner, inner.__cause__, inner.__context__):
+                if isinstance(c, httpx.ConnectError):
+                    return c
+        assert cause is not None
+        return cause
 
     # ---------------------------------------------------------------- tools
+    def _bare(self, name: str) -> str:
+        prefix, sep, bare = name.rpartition("/")
+        if sep and prefix != self.config.env_name:
+            return name  # refused by the server as an unknown tool
+        return bare if sep else name
+
     async def list_tools(self) -> list[dict[str, Any]]:
-        """The environment's tools as MCP descriptions (``name``, ``description``,
-        ``inputSchema``); fetched once per instance. Listing is read-only, so any transport
-        failure is retried."""
-        env = self._require()
+        """The environment's tools as MCP descriptions (``name`` as ``env@ver/tool``, the
+        aenvironment convention; ``description``, ``inputSchema``); fetched once per instance.
+        Listing is read-only, so any transport failure is retried."""
+        self._require()
         async with self._lock:
             if self._tools is not None:
                 return self._tools
@@ -351,18 +375,18 @@ class AenvEnvironmentAdapter:
                     with attempt:
                         attempts += 1
                         await self._preflight()
+                        session = await self._mcp()
                         try:
-                            async with asyncio.timeout(self.config.timeout + 5.0):
-                                self._tools = await env.list_tools()
-                            self._raise_if_cancelled()
-                        except Exception as e:
-                            self._raise_if_cancelled()
-                            await self._reset_session()
+                            tools = await session.list_tools(timeout=self.config.timeout)
+                        except (SessionDead, TimeoutError) as e:
+                            await self._drop_session()
                             raise _RetrySafe(e) from e
+                        self._tools = [
+                            {**t, "name": f"{self.config.env_name}/{t['name']}"} for t in tools
+                        ]
             except RetryError as e:
-                cause = e.last_attempt.exception()
-                cause = cause.cause if isinstance(cause, _RetrySafe) else cause
-                raise AenvUnavailableError(
+                cause = self._cause(e)
+                raise EnvUnavailableError(
                     f"listing tools of {self.where} failed after {attempts} attempt(s): "
                     f"{type(cause).__name__}: {cause}"
                 ) from cause
@@ -383,7 +407,9 @@ class AenvEnvironmentAdapter:
         ``ToolCallResult(is_error=True)``. Transport failures are retried only when the call
         cannot have run; otherwise, or after the last try, ``AenvToolCallError`` is raised.
         """
-        env = self._require()
+        from mcp.shared.exceptions import MCPError
+
+        self._require()
         limit = timeout or self.config.tool_call_timeout
         arguments = arguments or {}
         attempts = 0
@@ -392,82 +418,83 @@ class AenvEnvironmentAdapter:
                 with attempt:
                     attempts += 1
                     await self._preflight()
+                    session = await self._mcp()
                     try:
-                        # asyncio.timeout, not wait_for: the SDK turns cancellation into
-                        # ToolError, and a wait_for child task would leak that exception.
-                        async with asyncio.timeout(limit + 5.0):
-                            result = await env.call_tool(name, arguments, timeout=limit)
-                        self._raise_if_cancelled()
-                    except Exception as e:
-                        self._raise_if_cancelled()
-                        if is_retry_safe(e):
-                            await self._reset_session()
+                        content, is_error = await session.call_tool(
+                            self._bare(name), arguments, timeout=limit
+                        )
+                    except SessionDead as e:
+                        await self._drop_session()
+                        if e.retry_safe:
                             raise _RetrySafe(e) from e
-                        raise
-                    content = list(result.content or [])
-                    return ToolCallResult(
-                        text=_result_text(content), is_error=bool(result.is_error), content=content
+                        raise EnvServerDiedError(name, attempts, e, self.where) from e
+                    except MCPError as e:  # the server refused the call (JSON-RPC error)
+                        content, is_error = [{"type": "text", "text": e.error.message}], True
+                    text, cut = render_tool_output(
+                        content,
+                        max_tokens=self.config.max_tool_output_tokens,
+                        images=self.config.tool_images,
                     )
+                    return ToolCallResult(text, is_error, content, cut)
         except RetryError as e:
-            cause = e.last_attempt.exception()
-            cause = cause.cause if isinstance(cause, _RetrySafe) else cause
-            raise AenvToolCallError(name, attempts, cause, self.where) from cause
-        except (asyncio.CancelledError, AenvError):
+            cause = self._cause(e)
+            raise EnvToolCallError(name, attempts, cause, self.where) from cause
+        except (asyncio.CancelledError, EnvError):
             raise
         except Exception as e:
-            raise AenvToolCallError(name, attempts, e, self.where) from e
+            raise EnvToolCallError(name, attempts, e, self.where) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ---------------------------------------------------------------- reward / functions
-    async def _call_http(self, what: str, fn, arguments: dict[str, Any]) -> Any:
+    async def _post(self, what: str, path: str, arguments: dict[str, Any]) -> Any:
+        self._require()
+        assert self._http is not None
         attempts = 0
+        url = f"{self.data_plane_url}{path}"
         try:
             async for attempt in self._retrying():
                 with attempt:
                     attempts += 1
                     try:
-                        out = await fn(arguments, timeout=self.config.timeout)
-                        self._raise_if_cancelled()
-                        return out
-                    except Exception as e:
-                        self._raise_if_cancelled()
+                        r = await self._http.post(
+                            url, json=arguments, headers=self.headers, timeout=self.config.timeout
+                        )
+                        if r.status_code in RETRY_STATUS:
+                            r.raise_for_status()
+                    except httpx.HTTPError as e:
                         if is_retry_safe(e):
                             raise _RetrySafe(e) from e
                         raise
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        raise EnvCallError(
+                            what,
+                            attempts,
+                            RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}"),
+                            self.where,
+                        ) from None
+                    if not isinstance(body, dict) or not body.get("success", False):
+                        error = body.get("error") if isinstance(body, dict) else body
+                        raise EnvCallError(
+                            what,
+                            attempts,
+                            RuntimeError(f"HTTP {r.status_code}: {error}"),
+                            self.where,
+                        )
+                    return body.get("data", {})
         except RetryError as e:
-            cause = e.last_attempt.exception()
-            cause = cause.cause if isinstance(cause, _RetrySafe) else cause
-            raise AenvCallError(what, attempts, cause, self.where) from cause
-        except asyncio.CancelledError:
+            cause = self._cause(e)
+            raise EnvCallError(what, attempts, cause, self.where) from cause
+        except (asyncio.CancelledError, EnvError):
             raise
         except Exception as e:
-            raise AenvCallError(what, attempts, e, self.where) from e
+            raise EnvCallError(what, attempts, e, self.where) from e
 
     async def call_reward(self, arguments: dict[str, Any]) -> Any:
         """POST ``arguments`` to the environment's ``@register_reward`` function; its result."""
-        env = self._require()
-        return await self._call_http("reward", env.call_reward, arguments)
+        return await self._post("reward", "/task/reward", arguments)
 
     async def call_function(self, name: str, arguments: dict[str, Any] | None = None) -> Any:
         """POST ``arguments`` to ``/functions/<name>`` (``@register_function``); its result."""
-        env = self._require()
-
-        async def fn(args: dict[str, Any], timeout: float) -> Any:
-            return await env.call_function(name, args, timeout=timeout)
-
-        return await self._call_http(f"function {name!r}", fn, arguments or {})
-
-
-def reward_value(result: Any) -> float:
-    """A float from a reward function's result: a number, or a dict with ``reward``/``score``."""
-    if isinstance(result, bool):
-        return float(result)
-    if isinstance(result, (int, float)):
-        return float(result)
-    if isinstance(result, str):
-        return float(result.strip())
-    if isinstance(result, dict):
-        for key in ("reward", "score", "value"):
-            if key in result:
-                return reward_value(result[key])
-    raise ValueError(f"cannot read a reward from {result!r} (expected a number or {{'reward': x}})")
+        return await self._post(f"function {name!r}", f"/functions/{name}", arguments or {})

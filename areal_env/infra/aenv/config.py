@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from areal_env.infra.base import check_output_options
+
 TOOL_ERROR_POLICIES = ("append_error", "raise")
 MODES = ("direct", "scheduler")
 
-# name@version, where version is optional; the SDK prefixes tool names with this string.
+# name@version, where version is optional; tools are listed as name@version/tool.
 _ENV_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(@[A-Za-z0-9][A-Za-z0-9_.\-+]*)?$")
 _SECRET_QUERY_KEYS = re.compile(r"(token|key|secret|password|passwd|auth|signature|sig)", re.I)
 
@@ -56,12 +58,12 @@ class AenvConfig:
     """Host of the environment (direct mode: the server itself, data plane on port 8081) or of
     the AEnvironment service (scheduler mode: control plane :8080, data plane :8081)."""
     mode: Literal["direct", "scheduler"] = "direct"
-    """direct = talk to an already running environment server (the SDK's DUMMY_INSTANCE_IP
-    mode); scheduler = ask the AEnvironment service to create an instance per episode."""
+    """direct = talk to an already running environment server; scheduler = ask the
+    AEnvironment service (control plane :8080) to create an instance per episode."""
     api_key: str | None = None
     """Bearer key for the AEnvironment service (scheduler mode). Never logged."""
     timeout: float = 30.0
-    """Per-request timeout of the SDK (seconds)."""
+    """Per-request timeout for the control and data planes (seconds)."""
     startup_timeout: float = 120.0
     """How long ``initialize`` waits for the environment to become ready (seconds)."""
     tool_call_timeout: float = 30.0
@@ -73,7 +75,7 @@ class AenvConfig:
     ttl: str = "30m"
     """Instance time-to-live (scheduler mode)."""
     environment_variables: dict[str, str] = field(default_factory=dict)
-    """Passed to a new instance (scheduler mode; the SDK ignores them in direct mode)."""
+    """Passed to a new instance (scheduler mode; ignored in direct mode)."""
     tool_error_policy: Literal["append_error", "raise"] = "append_error"
     """What an agent does with a tool that reports an error: show it to the model as the tool
     message (append_error) or abort the episode (raise)."""
@@ -81,8 +83,27 @@ class AenvConfig:
     """Skip our readiness probe (``GET /functions/list``) in ``initialize``."""
     auto_release: bool = True
     """Release the instance when the adapter's ``async with`` block exits."""
-    sdk_log_level: str = "WARNING"
-    """Level for the aenvironment SDK's own loggers (it logs every call at INFO)."""
+    datasource: str = ""
+    """Data source the service mounts into a new instance (scheduler mode)."""
+    arguments: list[str] = field(default_factory=list)
+    """Command-line arguments for the instance's entry point (scheduler mode)."""
+    owner: str | None = None
+    """Owner recorded on a new instance (scheduler mode)."""
+    labels: dict[str, str] | None = None
+    """Resource labels of a new instance (scheduler mode)."""
+    mount_points: list[dict[str, Any]] | None = None
+    """Mount points forwarded to the sandbox engine, e.g. ``[{"id": "OSS_x", "remote_dir":
+    "/data", "local_dir": "/workspace"}]`` (scheduler mode; engines that support them)."""
+    max_tool_output_tokens: int | None = 2048
+    """Tool results longer than about this many tokens (4 characters each) are cut, with a
+    marker saying how much was dropped; null = no limit."""
+    tool_images: bool = False
+    """Show image content to the model as data URLs (models that take images); else a short
+    placeholder text."""
+    server_python: str | None = None
+    """Interpreter that runs ``python -m aenv.main`` when areal-env starts the environment
+    servers itself (``examples/aenv``, tests). Default: ``$AREAL_ENV_AENV_PYTHON``, else
+    ``.venv-aenv/bin/python`` (created with aenvironment 0.1.7 on first use)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,7 +127,9 @@ class AenvConfig:
         except ValueError as e:
             raise bad("aenv_url", str(e)) from None
         if parts.scheme not in ("http", "https") or not host:
-            raise bad("aenv_url", "expected http://HOST (the SDK adds ports 8080/8081 itself)")
+            raise bad(
+                "aenv_url", "expected http://HOST (ports 8080/8081 are aenvironment's fixed ports)"
+            )
         if self.mode not in MODES:
             raise bad("mode", f"valid values: {', '.join(MODES)}")
         if self.api_key is not None and not isinstance(self.api_key, str):
@@ -136,8 +159,30 @@ class AenvConfig:
         for name in ("skip_health_check", "auto_release"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected true or false")
-        if self.sdk_log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise bad("sdk_log_level", "valid values: DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        if not isinstance(self.datasource, str):
+            raise bad("datasource", "expected a string")
+        if not isinstance(self.arguments, list) or not all(
+            isinstance(a, str) for a in self.arguments
+        ):
+            raise bad("arguments", "expected a list of strings")
+        if self.owner is not None and not isinstance(self.owner, str):
+            raise bad("owner", "expected a string or null")
+        if self.labels is not None and (
+            not isinstance(self.labels, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in self.labels.items())
+        ):
+            raise bad("labels", "expected a mapping of string to string, or null")
+        if self.mount_points is not None and (
+            not isinstance(self.mount_points, list)
+            or not all(isinstance(m, dict) for m in self.mount_points)
+        ):
+            raise bad("mount_points", "expected a list of mappings, or null")
+        if self.server_python is not None and not isinstance(self.server_python, str):
+            raise bad("server_python", "expected a path to a Python interpreter, or null")
+        try:
+            check_output_options("aenv", self.max_tool_output_tokens, self.tool_images)
+        except ValueError as e:
+            raise AenvConfigError(str(e)) from None
 
     # ----------------------------------------------------------------------------------------
     @classmethod
@@ -164,13 +209,13 @@ class AenvConfig:
 
     @property
     def host(self) -> str:
-        """The host name the SDK will contact (credentials and port stripped)."""
+        """The host name to contact (credentials and port stripped)."""
         url = self.aenv_url if "://" in self.aenv_url else f"http://{self.aenv_url}"
         return urlsplit(url).hostname or "127.0.0.1"
 
     @property
     def data_plane_url(self) -> str:
-        """``http://HOST:8081``: where tools, reward and functions are served (SDK convention)."""
+        """``http://HOST:8081``: where tools, reward and functions are served (aenvironment convention)."""
         return f"http://{self.host}:8081"
 
     def __repr__(self) -> str:  # keep secrets out of logs and tracebacks

@@ -1,5 +1,11 @@
 """Start and stop local aenvironment servers (``python -m aenv.main``) for training and tests.
 
+The servers run from the aenvironment SDK (``aenvironment==0.1.7``) installed in a virtualenv of
+its own, not in areal-env's: that SDK pins ``pydantic<2.12``, ``mcp<2`` and ``fastmcp<3``, which
+would hold the core's SDKs back. ``find_aenv_python`` picks the interpreter (an explicit path,
+``$AREAL_ENV_AENV_PYTHON``, ``.venv-aenv/bin/python`` in the project, or the current interpreter
+if it has ``aenv``) and ``ensure_aenv_python`` creates ``.venv-aenv`` on first use.
+
 The SDK hard-codes the data-plane port 8081, so each server gets its own loopback address
 (127.0.0.N:8081; all of 127/8 is loopback on Linux). ``AenvServerLauncher`` picks free addresses,
 waits until each server answers ``GET /functions/list``, writes each server's output to a log
@@ -9,6 +15,7 @@ file, and stops everything at ``stop()``, at ``with`` exit, and at interpreter e
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import signal
@@ -23,10 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
 DATA_PORT = 8081
+AENV_REQUIREMENT = "aenvironment==0.1.7"
+AENV_PYTHON_ENV = "AREAL_ENV_AENV_PYTHON"
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+# a source checkout keeps it next to .venv; an installed package in the user's cache
+DEFAULT_AENV_VENV = (
+    PROJECT_ROOT / ".venv-aenv"
+    if (PROJECT_ROOT / "pyproject.toml").exists()
+    else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "areal-env" / "venv-aenv"
+)
 _live: weakref.WeakSet[AenvServerLauncher] = weakref.WeakSet()
 _claimed: set[str] = set()
 _claim_lock = threading.Lock()
@@ -38,6 +55,84 @@ def _stop_all_at_exit() -> None:
 
 
 atexit.register(_stop_all_at_exit)
+
+
+class AenvPythonError(RuntimeError):
+    """No interpreter with the aenvironment SDK; the message says how to get one."""
+
+
+def _has_aenv(python: str) -> bool:
+    try:
+        out = subprocess.run(
+            [python, "-c", "import aenv.main"], capture_output=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def find_aenv_python(python: str | os.PathLike | None = None) -> str | None:
+    """The interpreter that runs ``python -m aenv.main``, or None if there is none yet.
+
+    Order: ``python`` (a config key), ``$AREAL_ENV_AENV_PYTHON``, ``.venv-aenv/bin/python`` in
+    the project (and in the current directory), the current interpreter if it has ``aenv``.
+    """
+    if python:
+        return str(python)
+    if os.environ.get(AENV_PYTHON_ENV):
+        return os.environ[AENV_PYTHON_ENV]
+    for venv in (DEFAULT_AENV_VENV, Path.cwd() / ".venv-aenv"):
+        candidate = _venv_python(venv)
+        if candidate.exists() and (venv / ".installed").exists():
+            return str(candidate)
+    if importlib.util.find_spec("aenv") is not None:
+        return sys.executable
+    return None
+
+
+def ensure_aenv_python(
+    python: str | os.PathLike | None = None, *, venv: str | os.PathLike | None = None
+) -> str:
+    """``find_aenv_python(python)``, creating ``.venv-aenv`` (``aenvironment==0.1.7`` from the
+    package index, about a minute) when nothing is found. An explicit ``python`` must work."""
+    found = find_aenv_python(python)
+    if found is not None:
+        if (python or os.environ.get(AENV_PYTHON_ENV)) and not _has_aenv(found):
+            raise AenvPythonError(
+                f"{found} cannot import aenv; install it there with "
+                f"'{found} -m pip install {AENV_REQUIREMENT}' or unset the setting"
+            )
+        return found
+    target = Path(venv) if venv else DEFAULT_AENV_VENV
+    with FileLock(str(target) + ".lock"):
+        py = _venv_python(target)
+        if py.exists() and (target / ".installed").exists():
+            return str(py)
+        logger.info(
+            "creating %s with %s for the environment servers (once; about a minute)",
+            target,
+            AENV_REQUIREMENT,
+        )
+        base = os.environ.get("PYTHON", "python3")
+        steps = [
+            [base, "-m", "venv", str(target)],
+            [str(py), "-m", "pip", "install", "-q", AENV_REQUIREMENT],
+        ]
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise AenvPythonError(
+                    f"setting up {target} failed at {' '.join(cmd)}:\n{done.stderr[-2000:]}\n"
+                    f"Create it yourself with 'make venv-aenv', or point {AENV_PYTHON_ENV} at "
+                    f"a Python that has {AENV_REQUIREMENT}."
+                )
+        (target / ".installed").touch()
+        logger.info("%s is ready", target)
+        return str(py)
 
 
 def port_in_use(host: str, port: int = DATA_PORT) -> bool:
@@ -123,7 +218,7 @@ class AenvServerLauncher:
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="aenv-logs-"))
         self.startup_timeout = startup_timeout
         self.name = name
-        self.python = python or sys.executable
+        self.python = ensure_aenv_python(python)
         self.extra_env = dict(env or {})
         self.servers: list[AenvServer] = []
 

@@ -1,0 +1,207 @@
+"""The one interface every tool environment implements, and what its callers share.
+
+Two families implement ``ToolEnvironment``: aenvironment servers (``AenvEnvironmentAdapter``:
+MCP tools plus an HTTP reward endpoint and a control plane that creates instances) and any MCP
+server (``McpEnvironmentAdapter``: stdio or streamable HTTP; the reward comes from a user
+``reward_fn``). Agents only see this protocol, so one agent trains on either family.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# Tool output is cut by characters: agents have no tokenizer, and about 4 characters per token
+# is the usual estimate for English text under BPE vocabularies (code and JSON run lower).
+CHARS_PER_TOKEN = 4
+TRUNCATION_MARKER = "\n[... tool output truncated: {dropped} of {total} characters omitted ...]"
+
+
+class EnvError(RuntimeError):
+    """Base class of every environment adapter error."""
+
+    rejection_reason = "env_error"
+    """The reason the training workflow counts when this error rejects an episode."""
+
+
+class EnvUnavailableError(EnvError):
+    """The environment could not be opened, or could not be reached after the safe retries."""
+
+    rejection_reason = "env_unavailable"
+
+
+class EnvToolCallError(EnvError):
+    """A tool call failed in transport (not a tool error result): names tool, attempts, cause."""
+
+    rejection_reason = "env_tool_transport"
+
+    def __init__(self, tool_name: str, attempts: int, cause: BaseException, where: str):
+        self.tool_name = tool_name
+        self.attempts = attempts
+        self.cause = cause
+        super().__init__(
+            f"tool {tool_name!r} on {where} failed after {attempts} attempt(s): "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+class EnvServerDiedError(EnvToolCallError):
+    """The server died while a call was in flight: the call may have run, so it is not retried
+    and the episode is rejected; the next episode gets a new server."""
+
+    rejection_reason = "env_server_died"
+
+
+class EnvCallError(EnvError):
+    """A reward or function call failed (after the safe retries)."""
+
+    rejection_reason = "env_reward_error"
+
+    def __init__(self, what: str, attempts: int, cause: BaseException, where: str):
+        self.what = what
+        self.attempts = attempts
+        self.cause = cause
+        super().__init__(
+            f"{what} on {where} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}"
+        )
+
+
+@dataclass
+class ToolCallResult:
+    """What a tool returned. ``is_error`` = the tool ran (or was refused) and reported an error.
+
+    ``text`` is what the model sees (truncated, non-text parts as placeholders); ``content`` the
+    MCP content blocks as plain dicts, untouched, for reward functions.
+    """
+
+    text: str
+    is_error: bool = False
+    content: list[dict[str, Any]] = field(default_factory=list)
+    truncated: bool = False
+
+
+@runtime_checkable
+class ToolEnvironment(Protocol):
+    """One environment for one episode: open it, list and call tools, get the reward, release.
+
+    ``async with env:`` opens and always releases. Implementations retry only where the call
+    cannot have run (connection refused, 502/503/504, a restarted server that did not know the
+    session) and raise ``EnvToolCallError`` otherwise; a tool that ran and failed is a
+    ``ToolCallResult(is_error=True)``, not an exception.
+    """
+
+    where: str
+    tool_error_policy: str
+
+    async def __aenter__(self) -> ToolEnvironment: ...
+
+    async def __aexit__(self, *exc: Any) -> None: ...
+
+    async def initialize(self) -> None: ...
+
+    async def release(self) -> None: ...
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        """MCP tool descriptions: ``name``, ``description``, ``inputSchema``."""
+        ...
+
+    async def openai_tools(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """OpenAI function tools and ``{openai_name: environment_name}``."""
+        ...
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None
+    ) -> ToolCallResult: ...
+
+    @property
+    def has_reward(self) -> bool:
+        """True when the environment computes the reward itself (``call_reward``)."""
+        ...
+
+    async def call_reward(self, arguments: dict[str, Any]) -> Any: ...
+
+
+def reward_value(result: Any) -> float:
+    """A float from a reward function's result: a number, or a dict with ``reward``/``score``."""
+    if isinstance(result, bool):
+        return float(result)
+    if isinstance(result, (int, float)):
+        return float(result)
+    if isinstance(result, str):
+        return float(result.strip())
+    if isinstance(result, dict):
+        for key in ("reward", "score", "value"):
+            if key in result:
+                return reward_value(result[key])
+    raise ValueError(f"cannot read a reward from {result!r} (expected a number or {{'reward': x}})")
+
+
+def _placeholder(block: dict[str, Any]) -> str:
+    kind = block.get("type", "content")
+    mime = block.get("mimeType") or block.get("mime_type")
+    if kind in ("image", "audio"):
+        data = block.get("data") or ""
+        try:
+            size = len(base64.b64decode(data, validate=False))
+        except (ValueError, TypeError):
+            size = len(data)
+        return f"[{kind} content: {mime or 'unknown type'}, {size} bytes, not shown]"
+    if kind == "resource":
+        res = block.get("resource") or {}
+        uri = res.get("uri", "?")
+        if isinstance(res.get("text"), str):
+            return f"[resource {uri}]\n{res['text']}"
+        return f"[resource {uri}: {res.get('mimeType') or res.get('mime_type') or 'binary'}]"
+    if kind == "resource_link":
+        return f"[resource link {block.get('uri', '?')}: {block.get('name', '')}]".strip()
+    return json.dumps(block, ensure_ascii=False, default=str)
+
+
+def render_tool_output(
+    content: list[dict[str, Any]],
+    *,
+    max_tokens: int | None,
+    images: bool = False,
+) -> tuple[str, bool]:
+    """The text the model sees for MCP content blocks, and whether it was truncated.
+
+    Text blocks are joined by newlines; images, audio and binary resources become a short
+    placeholder (an image stays a data-URL line when ``images``: for models that take images).
+    The result is cut to about ``max_tokens`` tokens with a marker saying how much was dropped,
+    so that one long result cannot push the next request past the context length.
+    """
+    parts = []
+    for block in content:
+        if not isinstance(block, dict):
+            parts.append(str(block))
+        elif block.get("type") == "text" and "text" in block:
+            parts.append(str(block["text"]))
+        elif images and block.get("type") == "image":
+            parts.append(f"data:{block.get('mimeType') or 'image/png'};base64,{block.get('data')}")
+        else:
+            parts.append(_placeholder(block))
+    text = "\n".join(parts)
+    if max_tokens is None:
+        return text, False
+    limit = max_tokens * CHARS_PER_TOKEN
+    if len(text) <= limit:
+        return text, False
+    total = len(text)
+    return text[:limit] + TRUNCATION_MARKER.format(dropped=total - limit, total=total), True
+
+
+def check_output_options(prefix: str, max_tool_output_tokens: Any, tool_images: Any) -> None:
+    """Shared validation of the tool-output options of both environment configs."""
+    if max_tool_output_tokens is not None and (
+        isinstance(max_tool_output_tokens, bool)
+        or not isinstance(max_tool_output_tokens, int)
+        or max_tool_output_tokens < 1
+    ):
+        raise ValueError(
+            f"{prefix}.max_tool_output_tokens={max_tool_output_tokens!r} is invalid: "
+            "expected an integer >= 1, or null for no limit"
+        )
+    if not isinstance(tool_images, bool):
+        raise ValueError(f"{prefix}.tool_images={tool_images!r} is invalid: expected true/false")

@@ -1,0 +1,379 @@
+"""``McpEnvironmentAdapter``: any MCP server as the tool environment of one episode.
+
+A stdio server is a command this adapter spawns (a fresh process per episode, or one lent by a
+``StdioServerPool``); an HTTP server is a streamable-HTTP URL (every episode opens its own MCP
+session). Plain MCP servers have no reward endpoint: the agent's ``reward_fn`` scores the
+episode from the item, the final answer and the tool log.
+
+Failure policy, the same as for aenvironment servers: a tool that ran and failed is a result
+(``is_error``); a request that provably did not run (connection refused, 502/503/504, a
+restarted server that did not know the session) is retried on a new session; anything else
+(the server died mid-call, a timeout) raises, which rejects the episode: the tool may have run,
+and a stateful server's state is gone. The next episode gets a new server process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
+
+from areal_env.infra.aenv.schema import normalize_openai_tools
+from areal_env.infra.base import (
+    EnvError,
+    EnvServerDiedError,
+    EnvToolCallError,
+    EnvUnavailableError,
+    ToolCallResult,
+    render_tool_output,
+)
+from areal_env.infra.mcp.config import McpConfig
+from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead, StdioTarget
+
+logger = logging.getLogger(__name__)
+
+
+class _RetrySafe(Exception):
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _new_session(config: McpConfig, url: str | None = None) -> McpSession:
+    if config.command:
+        target: HttpTarget | StdioTarget = StdioTarget(
+            config.command, list(config.args), dict(config.env) or None, config.cwd
+        )
+    else:
+        assert url is not None
+        target = HttpTarget(url, dict(config.headers))
+    return McpSession(target, timeout=config.timeout, where=config.describe())
+
+
+class StdioServerPool:
+    """Long-lived stdio server processes lent to one episode at a time (``isolation: pool``).
+
+    Sessions belong to the event loop that opened them, so the pool keeps one set per loop.
+    A session that died is dropped when handed back or lent out, and a new process takes its
+    place on demand.
+    """
+
+    def __init__(self, config: McpConfig):
+        self.config = config
+        self._per_loop: dict[int, tuple[Any, list[McpSession], list[int], asyncio.Condition]] = {}
+        self._lock = threading.Lock()
+        self.started = 0
+        """Server processes started so far (a dead one is replaced by a new one)."""
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable (subprocess rollout workers)
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    def _state(self) -> tuple[list[McpSession], list[int], asyncio.Condition]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            owner, idle, count, cond = self._per_loop.get(id(loop), (None, [], [0], None))
+            if owner is not loop or cond is None:
+                idle, count, cond = [], [0], asyncio.Condition()
+                self._per_loop[id(loop)] = (loop, idle, count, cond)
+            return idle, count, cond
+
+    async def acquire(self) -> McpSession:
+        idle, count, cond = self._state()
+        async with cond:
+            while True:
+                while idle:
+                    session = idle.pop()
+                    if session.alive:
+                        return session
+                    count[0] -= 1
+                    await session.close()
+                if count[0] < self.config.pool_size:
+                    count[0] += 1
+                    break
+                await cond.wait()
+        session = _new_session(self.config)
+        try:
+            await session.open(self.config.startup_timeout)
+        except BaseException:
+            async with cond:
+                count[0] -= 1
+                cond.notify()
+            raise
+        self.started += 1
+        return session
+
+    async def release(self, session: McpSession) -> None:
+        idle, count, cond = self._state()
+        if not session.alive:
+            await session.close()
+        async with cond:
+            if session.alive:
+                idle.append(session)
+            else:
+                count[0] -= 1
+            cond.notify()
+
+    async def aclose(self) -> None:
+        """Stop this loop's idle server processes."""
+        idle, count, cond = self._state()
+        async with cond:
+            sessions, idle[:] = list(idle), []
+            count[0] -= len(sessions)
+        for s in sessions:
+            await s.close()
+
+
+class McpEnvironmentAdapter:
+    """``async with McpEnvironmentAdapter(cfg) as env:`` — a ``ToolEnvironment`` on an MCP
+    server for one episode (see the module docstring for the failure policy)."""
+
+    has_reward = False
+
+    def __init__(
+        self,
+        config: McpConfig | dict[str, Any],
+        *,
+        url: str | None = None,
+        pool: StdioServerPool | None = None,
+    ):
+        self.config = config if isinstance(config, McpConfig) else McpConfig.from_dict(config)
+        self.url = url or (self.config.all_urls[0] if self.config.all_urls else None)
+        self.pool = pool
+        self.where = self.config.describe()
+        self._session: McpSession | None = None
+        self._tools: list[dict[str, Any]] | None = None
+        self._openai: tuple[list[dict[str, Any]], dict[str, str]] | None = None
+        self._lock = asyncio.Lock()
+        self._ever_opened = False
+
+    @property
+    def tool_error_policy(self) -> str:
+        return self.config.tool_error_policy
+
+    @property
+    def initialized(self) -> bool:
+        return self._session is not None
+
+    async def __aenter__(self) -> McpEnvironmentAdapter:
+        await self.initialize()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()
+
+    async def initialize(self) -> None:
+        """Spawn/connect and run the MCP handshake (retried while nothing ran)."""
+        if self._session is not None:
+            return
+        attempts = 0
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    attempts += 1
+                    self._session = await self._open()
+                    self._ever_opened = True
+        except RetryError as e:
+            cause = _cause(e)
+            raise EnvUnavailableError(
+                f"{self.where} could not be opened after {attempts} attempt(s): {cause}"
+            ) from cause
+
+    async def _open(self) -> McpSession:
+        try:
+            if self.pool is not None:
+                return await self.pool.acquire()
+            session = _new_session(self.config, self.url)
+            await session.open(self.config.startup_timeout)
+            return session
+        except SessionDead as e:
+            if self.config.command:  # a command that does not start will not start next time
+                raise EnvUnavailableError(str(e)) from e
+            raise _RetrySafe(e) from e
+
+    async def release(self) -> None:
+        """Close the session (stdio: stop the process, or hand it back to the pool); never
+        raises, also when the episode is being cancelled."""
+        session, self._session = self._session, None
+        self._tools = self._openai = None
+        self._ever_opened = False
+        if session is None:
+            return
+        task = asyncio.ensure_future(
+            self.pool.release(session) if self.pool is not None else session.close()
+        )
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 10.0)
+            raise
+        except Exception as e:  # noqa: BLE001 - release must not fail the episode
+            logger.warning("releasing %s failed: %s: %s", self.where, type(e).__name__, e)
+
+    def _retrying(self) -> AsyncRetrying:
+        cfg = self.config
+        return AsyncRetrying(
+            stop=stop_after_attempt(cfg.max_retries + 1),
+            wait=wait_exponential(multiplier=cfg.retry_delay, max=cfg.retry_delay * 16)
+            + wait_random(0, cfg.retry_delay),
+            retry=retry_if_exception_type(_RetrySafe),
+            reraise=False,
+        )
+
+    def _require(self) -> McpSession:
+        if self._session is None:
+            raise EnvError(f"{self.where} is not initialized (use 'async with' or initialize())")
+        return self._session
+
+    async def _preflight(self) -> None:
+        """HTTP only: a cheap TCP connect before a call. A refused connection means the call
+        cannot run (and our session is gone with the server): drop it, the retry opens anew."""
+        if self.config.command or not self.url:
+            return
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, port), self.config.timeout
+            )
+        except (OSError, TimeoutError) as e:
+            old, self._session = self._session, None
+            if old is not None:
+                await old.close()
+            raise _RetrySafe(e) from e
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+    async def _session_for_call(self) -> McpSession:
+        session = self._session
+        if session is not None and (session.alive or self.config.command):
+            return session  # a dead stdio session fails the call: its state is gone
+        return await self._replace_session()
+
+    async def _replace_session(self) -> McpSession:
+        """A new session after a refused request (http only: a stdio process is never
+        silently replaced inside an episode, its state would be gone)."""
+        old, self._session = self._session, None
+        if old is not None:
+            await old.close()
+        self._session = await self._open()
+        return self._session
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        """The server's tools (``config.tools`` only, when set), fetched once per episode."""
+        if not self._ever_opened:
+            self._require()
+        async with self._lock:
+            if self._tools is not None:
+                return self._tools
+            attempts = 0
+            try:
+                async for attempt in self._retrying():
+                    with attempt:
+                        attempts += 1
+                        await self._preflight()
+                        session = await self._session_for_call()
+                        try:
+                            tools = await session.list_tools(timeout=self.config.timeout)
+                        except (SessionDead, TimeoutError) as e:
+                            if isinstance(e, SessionDead) and e.retry_safe:
+                                await self._replace_session()
+                                raise _RetrySafe(e) from e
+                            raise EnvUnavailableError(
+                                f"listing tools of {self.where} failed: {e}"
+                            ) from e
+            except RetryError as e:
+                cause = _cause(e)
+                raise EnvUnavailableError(
+                    f"listing tools of {self.where} failed after {attempts} attempt(s): {cause}"
+                ) from cause
+            wanted = self.config.tools
+            if wanted is not None:
+                missing = sorted(set(wanted) - {t["name"] for t in tools})
+                if missing:
+                    raise EnvUnavailableError(
+                        f"{self.where} has no tool(s) {', '.join(missing)} (mcp.tools); it has: "
+                        f"{', '.join(t['name'] for t in tools)}"
+                    )
+                tools = [t for t in tools if t["name"] in wanted]
+            self._tools = tools
+            return tools
+
+    async def openai_tools(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """``normalize_openai_tools(await list_tools())``, cached."""
+        if self._openai is None:
+            self._openai = normalize_openai_tools(await self.list_tools())
+        return self._openai
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None
+    ) -> ToolCallResult:
+        """Run tool ``name``; a tool error or a JSON-RPC refusal is ``is_error``, a transport
+        failure raises ``EnvToolCallError`` (``EnvServerDiedError`` if the server died)."""
+        from mcp.shared.exceptions import MCPError
+
+        if not self._ever_opened:
+            self._require()
+        if self.config.tools is not None and name not in self.config.tools:
+            return ToolCallResult(f"unknown tool {name!r}", True)
+        limit = timeout or self.config.tool_call_timeout
+        attempts = 0
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    attempts += 1
+                    await self._preflight()
+                    session = await self._session_for_call()
+                    try:
+                        content, is_error = await session.call_tool(
+                            name, arguments or {}, timeout=limit
+                        )
+                    except SessionDead as e:
+                        if e.retry_safe and not self.config.command:
+                            await self._replace_session()
+                            raise _RetrySafe(e) from e
+                        raise EnvServerDiedError(name, attempts, e, self.where) from e
+                    except MCPError as e:
+                        content, is_error = [{"type": "text", "text": e.error.message}], True
+                    text, cut = render_tool_output(
+                        content,
+                        max_tokens=self.config.max_tool_output_tokens,
+                        images=self.config.tool_images,
+                    )
+                    return ToolCallResult(text, is_error, content, cut)
+        except RetryError as e:
+            raise EnvToolCallError(name, attempts, _cause(e), self.where) from _cause(e)
+        except (asyncio.CancelledError, EnvError):
+            raise
+        except Exception as e:
+            raise EnvToolCallError(name, attempts, e, self.where) from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def call_reward(self, arguments: dict[str, Any]) -> Any:
+        raise EnvError(
+            f"{self.where} has no reward endpoint (plain MCP): give the agent a reward_fn"
+        )
+
+
+def _cause(e: RetryError) -> BaseException:
+    cause = e.last_attempt.exception()
+    while isinstance(cause, _RetrySafe):
+        cause = cause.cause
+    assert cause is not None
+    return cause

@@ -304,7 +304,11 @@ def test_agents_sdk_gets_a_call_and_answers_with_its_own_error(proxy_server, eng
     second_prompt = proxy_server.state.tokenizer.decode(engine.requests[-2].input_ids)
     # the SDK's own validation error went back to the model, after the model's exact call text
     assert AUTO_BAD + "<|im_end|>" in second_prompt
-    assert "Invalid JSON input for tool add" in second_prompt
+    # openai-agents < 0.5 names the JSON error; 0.24 sends a generic tool-error text
+    assert (
+        "Invalid JSON input for tool add" in second_prompt
+        or "An error occurred while running the tool" in second_prompt
+    )
     st = _stats(proxy_server, sid)
     assert (st["tool_calls_raw_arguments"], st["completions"]) == (1, 3)
 

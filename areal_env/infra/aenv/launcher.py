@@ -78,14 +78,20 @@ def _venv_python(venv: Path) -> Path:
 def find_aenv_python(python: str | os.PathLike | None = None) -> str | None:
     """The interpreter that runs ``python -m aenv.main``, or None if there is none yet.
 
-    Order: ``python`` (a config key), ``$AREAL_ENV_AENV_PYTHON``, ``.venv-aenv/bin/python`` in
-    the project (and in the current directory), the current interpreter if it has ``aenv``.
+    Order: ``python`` (a config key), ``$AREAL_ENV_AENV_PYTHON``, ``.venv-aenv/bin/python``
+    beside the running venv, in the project and in the current directory (each only once it is
+    complete: ``.installed``), the current interpreter if it has ``aenv``.
     """
     if python:
         return str(python)
     if os.environ.get(AENV_PYTHON_ENV):
         return os.environ[AENV_PYTHON_ENV]
-    for venv in (DEFAULT_AENV_VENV, Path.cwd() / ".venv-aenv"):
+    # beside the running venv first (a checkout's .venv and .venv-aenv), then the defaults
+    for venv in (
+        Path(sys.prefix).parent / ".venv-aenv",
+        DEFAULT_AENV_VENV,
+        Path.cwd() / ".venv-aenv",
+    ):
         candidate = _venv_python(venv)
         if candidate.exists() and (venv / ".installed").exists():
             return str(candidate)

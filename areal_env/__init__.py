@@ -33,9 +33,12 @@ _EXPORTS: dict[str, str] = {
     "create_engine": "areal_env.engine.factory",
     "ProxyServer": "areal_env.proxy.server",
     "OpenAIProxyClient": "areal_env.proxy.client",
-    # AEnvironment
+    # tool environments: aenvironment servers and any MCP server
     "AenvConfig": "areal_env.infra.aenv",
     "AenvEnvironmentAdapter": "areal_env.infra.aenv",
+    "McpConfig": "areal_env.infra.mcp",
+    "McpEnvironmentAdapter": "areal_env.infra.mcp",
+    "ToolEnvironment": "areal_env.infra.base",
     # any-agent service (client side)
     "AgentSession": "areal_env.service.client",
     "AgentRunner": "areal_env.service.client",

@@ -177,6 +177,7 @@ async def test_killed_mid_episode_rejects_and_next_episode_works():
         assert (await env.call_tool("bump", {})).text == "1"
 
 
+@pytest.mark.slow  # a few seconds of server processes; run in CI
 async def test_timeout_is_not_retried():
     async with McpEnvironmentAdapter(_stdio(max_retries=3)) as env:
         with pytest.raises(EnvToolCallError) as err:
@@ -191,6 +192,7 @@ async def test_command_that_does_not_start_is_a_clear_error():
             pass
 
 
+@pytest.mark.slow  # a few seconds of server processes; run in CI
 async def test_release_on_cancellation():
     adapter = McpEnvironmentAdapter(_stdio())
     entered = asyncio.Event()
@@ -218,6 +220,7 @@ async def test_release_on_cancellation():
 # ------------------------------------------------------------------ FastMCP server, HTTP
 
 
+@pytest.mark.slow  # a few seconds of server processes; run in CI
 async def test_http_server_killed_and_restarted(http_servers):
     server = http_servers(
         lambda port: [sys.executable, *TEST_SERVER, "http", "127.0.0.1", str(port)]
@@ -292,6 +295,7 @@ async def test_mcp_server_time_over_stdio():
         assert bad.is_error and "Nowhere/X" in bad.text
 
 
+@pytest.mark.slow  # a few seconds of server processes; run in CI
 async def test_mcp_server_time_over_http(http_servers):
     bridge = str(FIXTURES / "mcp_http_bridge.py")
     time_server = _bin("mcp-server-time")

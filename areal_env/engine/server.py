@@ -215,6 +215,25 @@ class ServeState:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
+def _vocab_size(engine: Any) -> int | None:
+    tok = getattr(engine, "tokenizer", None)
+    try:
+        return len(tok) if tok is not None else None
+    except TypeError:
+        return None
+
+
+def _check_ids(ids: Any, vocab: int | None) -> None:
+    """Token ids must be a list of ints in ``[0, vocab)``: anything else is a 400, not an index
+    error deep in the model."""
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
+    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+        raise BadRequest(f"input_ids must be token ids in [0, {vocab})")
+
+
 def _parse_generate(body: Any, engine: Any) -> tuple[list[ModelRequest], bool, bool, bool]:
     """Body of ``/generate`` → (requests, batched, return_logprob, stream)."""
     if not isinstance(body, dict):
@@ -224,10 +243,16 @@ def _parse_generate(body: Any, engine: Any) -> tuple[list[ModelRequest], bool, b
     if input_ids is None and text is None:
         raise BadRequest("Either text or input_ids should be provided.")
     if input_ids is None:
+        if not isinstance(text, str) and not (
+            isinstance(text, list) and all(isinstance(t, str) for t in text)
+        ):
+            raise BadRequest("text must be a string or a list of strings")
         texts = [text] if isinstance(text, str) else list(text)
         input_ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         batched = not isinstance(text, str)
     else:
+        if not isinstance(input_ids, list):
+            raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
         batched = bool(input_ids) and isinstance(input_ids[0], list)
         if not batched:
             input_ids = [input_ids]
@@ -240,8 +265,10 @@ def _parse_generate(body: Any, engine: Any) -> tuple[list[ModelRequest], bool, b
             raise BadRequest("batched sampling_params / rid must match the number of prompts")
     else:
         sps, rids = [sp], [rids]
+    vocab = _vocab_size(engine)
     reqs = []
     for ids, p, rid in zip(input_ids, sps, rids, strict=True):
+        _check_ids(ids, vocab)
         kwargs: dict[str, Any] = {
             "input_ids": list(ids),
             "gconfig": gconfig_from_sampling_params(p),
@@ -400,7 +427,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         except BadRequest as e:
             return json_response({"success": False, "message": str(e)}, 400)
         path = body.get("model_path")
-        if not path or not os.path.isdir(path):
+        if not isinstance(path, str) or not path or not os.path.isdir(path):
             return json_response(
                 {"success": False, "message": f"model_path {path!r} is not a model folder"},
                 400,
@@ -445,7 +472,9 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
         if body.get("abort_all"):
             state.abort_all()
         elif body.get("rid"):
-            engine.abort(str(body["rid"]))
+            if not isinstance(body["rid"], str):
+                return _error(400, "'rid' must be a string")
+            engine.abort(body["rid"])
         return Response(status_code=200)
 
     @app.api_route(routes.FLUSH_CACHE, methods=["GET", "POST"])

@@ -64,6 +64,7 @@ class ScriptedEngine:
     supports_state_dict_update: bool = True
     requests: list[ModelRequest] = field(default_factory=list)
     weight_updates: list[Any] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._queue: collections.deque[Scripted] = collections.deque(self.script)
@@ -167,6 +168,11 @@ class ScriptedEngine:
                 versions=resp.output_versions[start:end],
                 final=resp if end >= n else None,
             )
+
+    def abort(self, rid: str) -> bool:
+        """Record the abort (scripted replies finish at once: nothing is ever in flight)."""
+        self.aborted.append(rid)
+        return False
 
     def update_weights(self, weights: dict[str, Any] | str) -> None:
         self.weight_updates.append(weights)

@@ -20,11 +20,18 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(raw: bytes | str) -> Any:
-    """Parse JSON; the stdlib takes over where orjson refuses (NaN, huge ints)."""
+    """Parse JSON; the stdlib takes over where orjson refuses (NaN, huge ints).
+
+    A body nested too deeply for either parser is a ``ValueError`` (a 400), never a
+    ``RecursionError`` escaping into the server (that reset the connection with no answer).
+    """
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -619,7 +619,7 @@ def create_app(state: ProxyState) -> FastAPI:
     @app.post(routes.COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
         state.registry.by_key(request_key(request))
-        creq = anth.parse_request({"max_tokens": 1, **(await read_json(request))})
+        creq = anth.parse_request({"max_tokens": 1, **(await read_json(request, object_only=True))})
         try:
             ids = state.renderer.render_prompt(creq.messages, creq.tools, creq.tool_choice)
         except RenderError as e:

@@ -47,6 +47,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, I/O error); the previous one is intact and
+    still the latest. Raised for every failure of the write (safetensors reports a full disk as
+    its own ``SafetensorError``, not an ``OSError``), so callers catch one type."""
+
+
 def save_checkpoint(
     ckpt_root: str | os.PathLike[str],
     step: int,
@@ -57,8 +63,41 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
 ) -> Path:
-    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it."""
-    root = Path(ckpt_root)
+    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
+
+    Any failure raises :class:`CheckpointWriteError` and leaves the previous checkpoint the
+    latest (the temporary folder is removed, so a full disk gets its space back).
+    """
+    try:
+        return _save_checkpoint(
+            Path(ckpt_root),
+            step,
+            model=model,
+            tokenizer=tokenizer,
+            optimizer=optimizer,
+            trainer_state=trainer_state,
+            keep_last=keep_last,
+        )
+    except CheckpointWriteError:
+        raise
+    except Exception as e:
+        raise CheckpointWriteError(
+            getattr(e, "errno", None) or 0,
+            f"checkpoint step_{step} in {ckpt_root} could not be written "
+            f"({type(e).__name__}: {e}); the previous checkpoint stays the latest",
+        ) from e
+
+
+def _save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any | None,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    keep_last: int | None,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=root))
@@ -77,8 +116,12 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(final.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
+    try:
+        pointer_tmp.write_text(final.name + "\n")
+        os.replace(pointer_tmp, root / LATEST)
+    except BaseException:
+        pointer_tmp.unlink(missing_ok=True)
+        raise
     logger.info("checkpoint saved: %s", final)
     if keep_last:
         _prune(root, keep_last, final.name)

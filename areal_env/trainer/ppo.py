@@ -84,6 +84,7 @@ class PPOTrainer:
 
             self.valid_items = list(load_items(valid))
         self.run_dir = Path(config.run_dir)
+        self.checkpoint_failures = 0
         self.ckpt_root = self.run_dir / "checkpoints"
         self.engine: Any = engine
         self._own_engine = engine is None
@@ -328,8 +329,16 @@ class PPOTrainer:
                 plot_reward_curve(self.metrics.read(), self.run_dir / "reward_curve.png")
                 freq = cfg.trainer.save_freq_steps
                 if self.step == total or (freq and self.step % freq == 0):
-                    await asyncio.to_thread(self._save_checkpoint)
-                    saved_step = self.step
+                    try:
+                        await asyncio.to_thread(self._save_checkpoint)
+                        saved_step = self.step
+                    except ckpt.CheckpointWriteError as e:
+                        if self.step == total:
+                            raise  # the run's last weights: never end as if they were saved
+                        # a full disk mid-run: the previous checkpoint stays the latest, and
+                        # losing one checkpoint is better than losing the run
+                        self.checkpoint_failures += 1
+                        logger.error("%s; training goes on and retries at the next save", e)
         finally:
             progress.close()
             await self.executor.aclose()

@@ -167,5 +167,6 @@ def dump_records(root: str | os.PathLike[str], records: list[dict[str, Any]]) ->
 
 def _safe_name(name: str) -> str:
     bad = '/\\:*?"<>| \t\n'
-    out = "".join("_" if c in bad else c for c in name).strip(".")
+    # control characters too: a NUL in a task id made the whole dump raise
+    out = "".join("_" if c in bad or ord(c) < 32 else c for c in name).strip(".")
     return out[:128] or "unknown"

@@ -210,10 +210,11 @@ class Gateway:
         if sess is None or sess.user is not user:
             raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
         if sess.state == "failed":
+            # 410, not 503: the session is gone for good, and clients retry 503s
             raise ServiceError(
-                503,
+                410,
                 f"session {session_id} has failed ({sess.error}); start a new session",
-                "service_unavailable",
+                "session_ended",
             )
         if sess.state != "open":
             raise ServiceError(409, f"session {session_id} is already finalized", "conflict_error")
@@ -572,8 +573,8 @@ class Gateway:
                 import json
 
                 data = json.loads(raw)
-            except ValueError as e:
-                raise ServiceError(400, f"body is not valid JSON: {e}") from e
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+                raise ServiceError(400, f"body is not valid JSON: {e}") from None
             if not isinstance(data, dict):
                 raise ServiceError(400, "body must be a JSON object")
             return data

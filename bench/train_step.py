@@ -13,7 +13,19 @@ reference model/KL. What is timed:
 
 After a warm-up step of each on a 2-row slice, timed iterations alternate between the two so
 both see the same machine load; the median iteration time counts.
-Last line: ``{"tokens_per_s": ..., "trl_tokens_per_s": ..., "vs_trl": ...}`` (tokens = rows × length).
+
+The agent case (``--case agent``) looks like agent RL on the demo's task: 4 problems x 8 samples,
+a shared ~500-token system prompt with the tool schemas, 2-3 turns per episode (model output,
+tool result, model output ...) in one row per episode, loss on the model's turns only. The same
+batch runs through our update with tree training on (``tree``), with it off (``flat``: padded
+row micro-batches) and through TRL's step (its prompt/completion layout, the later turns in the
+completion with their loss mask). Throughput counts logical tokens (the rows' lengths), so packing
+shows as a speed-up. Each side's peak resident memory is measured too (``/proc`` high-water mark,
+reset before each side).
+
+Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
+``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
+"agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import torch
 
 from areal_env.api.config import ActorConfig, ModelConfig
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
+from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor, _enable_checkpointing
 
 
@@ -51,6 +64,184 @@ def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed
         "group_ids": torch.arange(rows) // 4,
         "traj_ids": torch.arange(rows),
     }
+
+
+def make_agent_batch(
+    vocab: int,
+    problems: int = 4,
+    samples: int = 8,
+    system_len: int = 500,
+    task_len: int = 40,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Agent-shaped rows (see the module docstring) and each row's prompt length.
+
+    Turn lengths follow the demo's traffic: model turns of 12-40 tokens (a tool call or an
+    answer), tool results of 6-16 tokens; 2 or 3 model turns per episode.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, min(vocab, 32000), (n,), generator=g).tolist()
+
+    def between(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    system = rand(system_len)
+    rows: list[tuple[list[int], list[int]]] = []
+    prompt_lens: list[int] = []
+    for _ in range(problems):
+        prompt = system + rand(task_len + between(-8, 8))
+        for _ in range(samples):
+            toks, lm = list(prompt), [0] * len(prompt)
+            turns = between(2, 3)
+            for t in range(turns):
+                out = rand(between(12, 40))
+                toks += out
+                lm += [1] * len(out)
+                if t < turns - 1:
+                    tool = rand(between(6, 16))
+                    toks += tool
+                    lm += [0] * len(tool)
+            rows.append((toks, lm))
+            prompt_lens.append(len(prompt))
+    width = max(len(t) for t, _ in rows)
+    b = len(rows)
+    batch = {
+        "input_ids": torch.zeros(b, width, dtype=torch.long),
+        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
+        "logprobs": torch.zeros(b, width),
+        "versions": torch.full((b, width), -1, dtype=torch.int32),
+        "rewards": torch.tensor([float((i * 7919) % 3 == 0) for i in range(b)]),
+        "group_ids": torch.arange(b) // samples,
+        "traj_ids": torch.arange(b),
+    }
+    for i, (t, lm) in enumerate(rows):
+        n = len(t)
+        batch["input_ids"][i, :n] = torch.tensor(t)
+        batch["attention_mask"][i, :n] = True
+        batch["loss_mask"][i, :n] = torch.tensor(lm, dtype=torch.int32)
+    mask = batch["loss_mask"].bool()
+    batch["logprobs"] = torch.where(mask, -torch.rand(b, width, generator=g) * 5, 0.0)
+    batch["versions"] = torch.where(mask, 0, -1).int()
+    return batch, prompt_lens
+
+
+def trl_agent_inputs(batch, prompt_lens: list[int], device):
+    """TRL's layout of agent rows: left-padded prompts, right-padded completions (the later turns,
+    tool results masked out by the completion mask)."""
+    attn = batch["attention_mask"]
+    b = attn.shape[0]
+    lengths = attn.sum(1).tolist()
+    p_w = max(prompt_lens)
+    c_w = max(n - p for n, p in zip(lengths, prompt_lens, strict=True))
+    prompt_ids = torch.zeros(b, p_w, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p_w, dtype=torch.long)
+    comp_ids = torch.zeros(b, c_w, dtype=torch.long)
+    comp_mask = torch.zeros(b, c_w, dtype=torch.long)
+    for i, (n, p) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        prompt_ids[i, p_w - p :] = batch["input_ids"][i, :p]
+        prompt_mask[i, p_w - p :] = 1
+        comp_ids[i, : n - p] = batch["input_ids"][i, p:n]
+        comp_mask[i, : n - p] = batch["loss_mask"][i, p:n].long()
+    adv = batch["rewards"].clone()
+    for gid in batch["group_ids"].unique():
+        sel = batch["group_ids"] == gid
+        adv[sel] = (adv[sel] - adv[sel].mean()) / (adv[sel].std() + 1e-4)
+    return {
+        "prompt_ids": prompt_ids.to(device),
+        "prompt_mask": prompt_mask.to(device),
+        "completion_ids": comp_ids.to(device),
+        "completion_mask": comp_mask.to(device),
+        "advantages": adv.to(device),
+        "num_items_in_batch": comp_mask.sum().to(device),
+    }
+
+
+def _slice(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    return {k: v[:rows] for k, v in batch.items()}
+
+
+def run_agent_case(args, model_path: str, grad_ckpt: bool) -> dict:
+    """Tree vs flat vs TRL on one agent-shaped batch (see the module docstring)."""
+    actor = PPOActor(
+        model_path,
+        ActorConfig(ppo_n_minibatches=1, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens),
+        ModelConfig(gradient_checkpointing=grad_ckpt),
+    )
+    vocab = actor.model.config.vocab_size
+    batch, prompt_lens = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    logical = int(sum(lengths))
+    plan = actor.plan_micro_batches(batch["input_ids"], lengths, list(range(len(lengths))))
+    print(
+        f"agent batch: {len(lengths)} rows, {logical} tokens, trie {plan.computed_tokens} nodes "
+        f"in {len(plan.groups)} packed micro-batches",
+        file=sys.stderr,
+    )
+    try:
+        trainer = build_trl(model_path, len(lengths), max(lengths), grad_ckpt)
+        trl_in = trl_agent_inputs(batch, prompt_lens, trainer.model.device)
+        trl_error = None
+    except Exception as e:  # report why, still measure ours
+        trainer, trl_in, trl_error = None, None, f"{type(e).__name__}: {e}"
+        print(f"TRL unavailable: {trl_error}", file=sys.stderr)
+
+    # warm-up of each side on a slice of one group (allocations, optimiser state)
+    warm = _slice(batch, min(4, args.samples))
+    for mode in ("on", "off"):
+        actor.cfg.tree_training = mode
+        actor.update(warm, step=0)
+    if trainer is not None:
+        trl_step(trainer, trl_agent_inputs(warm, prompt_lens[: len(warm["rewards"])], "cpu"))
+
+    times: dict[str, list[float]] = {"tree": [], "flat": [], "trl": []}
+    peaks: dict[str, float] = {}
+    for it in range(1, args.iters + 1):
+        for side in ("tree", "flat", "trl"):
+            if side == "trl" and trainer is None:
+                continue
+            memory.reset_peak()
+            t0 = time.perf_counter()
+            if side == "trl":
+                trl_step(trainer, trl_in)
+            else:
+                actor.cfg.tree_training = "on" if side == "tree" else "off"
+                stats = actor.update(batch, step=it)
+                assert stats["actor/update_skipped"] == 0.0
+                assert stats["actor/tree_packed"] == float(side == "tree")
+            dt = time.perf_counter() - t0
+            times[side].append(dt)
+            peaks[side] = max(peaks.get(side, 0.0), memory.peak_rss_gb())
+            print(
+                f"iter {it} {side}: {dt:.1f} s ({logical / dt:.0f} logical tok/s, "
+                f"peak {peaks[side]:.2f} GB)",
+                file=sys.stderr,
+            )
+
+    def tps(side: str) -> float | None:
+        return logical / statistics.median(times[side]) if times[side] else None
+
+    tree, flat, trl = tps("tree"), tps("flat"), tps("trl")
+    assert tree is not None and flat is not None
+    out = {
+        "tree_vs_trl": round(tree / trl, 3) if trl else None,
+        "tree_vs_flat": round(tree / flat, 3),
+        "tree_tokens_per_s": round(tree, 1),
+        "flat_tokens_per_s": round(flat, 1),
+        "agent_trl_tokens_per_s": round(trl, 1) if trl else None,
+        "agent_rows": len(lengths),
+        "agent_logical_tokens": logical,
+        "agent_trie_tokens": plan.computed_tokens,
+        "tree_peak_rss_gb": round(peaks["tree"], 2),
+        "flat_peak_rss_gb": round(peaks["flat"], 2),
+        "trl_peak_rss_gb": round(peaks["trl"], 2) if "trl" in peaks else None,
+    }
+    if trl_error:
+        out["agent_trl_error"] = trl_error
+    del actor, trainer
+    return out
 
 
 def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
@@ -131,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--case", choices=["synthetic", "agent", "all"], default="all")
+    ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
+    ap.add_argument("--samples", type=int, default=8, help="agent case: samples per problem")
+    ap.add_argument("--system-len", type=int, default=500, help="agent case: shared prompt")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="agent case: ours")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -138,6 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     grad_ckpt = not args.no_grad_ckpt
     model_path = str(resolve_model_path(args.model))
+    result: dict = {}
+    if args.case in ("synthetic", "all"):
+        result.update(run_synthetic_case(args, model_path, grad_ckpt))
+    if args.case in ("agent", "all"):
+        result.update(run_agent_case(args, model_path, grad_ckpt))
+    result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
+    result["threads"] = torch.get_num_threads()
+    print(json.dumps(result))
+    return 0
+
+
+def run_synthetic_case(args, model_path: str, grad_ckpt: bool) -> dict:
+    """Fixed synthetic rows (prompt + completion), ours vs TRL (see the module docstring)."""
     actor = PPOActor(
         model_path,
         ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=1 << 20, lr=1e-5),
@@ -187,12 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         "trl_gradient_checkpointing": bool(
             trainer is not None and getattr(trainer.model, "is_gradient_checkpointing", False)
         ),
-        "threads": torch.get_num_threads(),
     }
     if trl_error:
         result["trl_error"] = trl_error
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

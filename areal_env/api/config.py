@@ -104,6 +104,9 @@ class EngineConfig:
     """host:port of inference servers for backend=remote."""
     max_batch_size: int = 32
     """Local engine: most sequences decoded together."""
+    prefix_cache_mb: float = 256
+    """Local engine: memory (MiB) for the KV of shared prompt prefixes reused across requests
+    (radix cache, LRU-evicted, cleared on weight updates); 0 = off."""
     request_timeout: float = 3600.0
     """Seconds one generation request may take."""
     max_retries: int = 3
@@ -113,6 +116,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size={self.max_batch_size!r} must be >= 1")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(
+                f"engine.prefix_cache_mb={self.prefix_cache_mb!r} must be >= 0 (0 = off)"
+            )
         if self.backend == "remote" and not self.addresses:
             raise ConfigError("engine.backend=remote needs engine.addresses (host:port list)")
         if self.max_retries < 0:
@@ -238,7 +245,11 @@ class ActorConfig:
     temperature: float | None = None
     """Temperature used to recompute logprobs (default: gconfig.temperature)."""
     micro_batch_tokens: int = 4096
-    """Tokens per forward/backward micro-batch (gradient accumulation)."""
+    """Tokens per forward/backward micro-batch (gradient accumulation); with tree training, the
+    trie nodes per packed sequence."""
+    tree_training: Literal["auto", "on", "off"] = "auto"
+    """Pack rows sharing token prefixes (GRPO groups, multi-turn) into a token trie, computed once
+    with a tree attention mask. auto = when it saves at least a quarter of the tokens."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -253,6 +264,12 @@ class ActorConfig:
             raise ConfigError(f"actor.kl_coef={self.kl_coef!r} must be >= 0")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"actor.adam_betas={self.adam_betas!r} must have two values")
+        if self.tree_training not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"actor.tree_training={self.tree_training!r} must be one of auto, on, off"
+            )
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"actor.micro_batch_tokens={self.micro_batch_tokens!r} must be >= 1")
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
-from areal_env.engine._kv import BatchKV
+from areal_env.engine._kv import _GROW, BatchKV
+from areal_env.engine._prefix import PrefixCache
 from areal_env.engine._sampling import RowSampling, sample_rows
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 _STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
 _MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bounds decode stalls)
 _LOG_EVERY_S = 30.0  # progress log interval while busy
+_MIN_PREFIX = 32  # shortest cached prefix worth a separate prefill path
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared/removed by object
@@ -61,19 +63,24 @@ class _Request:
     reason: str = ""  # why it stopped (set by _check_done)
 
 
-def _length_groups(reqs: list[_Request], max_waste: float = 0.2) -> list[list[_Request]]:
+def _length_groups(
+    reqs: list[_Request],
+    max_waste: float = 0.2,
+    size: Callable[[_Request], int] = lambda r: len(r.req.input_ids),
+) -> list[list[_Request]]:
     """Split requests (longest first) so that each group's left padding stays under ``max_waste``.
 
     Padding is wasted compute in the prefill forward; one extra forward costs far less.
+    ``size`` is the tokens a request prefills (its prompt, or the part beyond a cached prefix).
     """
-    ordered = sorted(reqs, key=lambda r: len(r.req.input_ids), reverse=True)
+    ordered = sorted(reqs, key=size, reverse=True)
     groups: list[list[_Request]] = []
     real = 0
     for r in ordered:
-        n = len(r.req.input_ids)
+        n = size(r)
         if groups:
             group = groups[-1]
-            longest = len(group[0].req.input_ids)
+            longest = size(group[0])
             if (len(group) + 1) * longest <= (1.0 + max_waste) * (real + n):
                 group.append(r)
                 real += n
@@ -81,6 +88,14 @@ def _length_groups(reqs: list[_Request], max_waste: float = 0.2) -> list[list[_R
         groups.append([r])
         real = n
     return groups
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class LocalEngine:
@@ -97,9 +112,14 @@ class LocalEngine:
         max_batch_size: int = 32,
         max_context_len: int | None = None,
         num_threads: int | None = None,
+        prefix_cache_mb: float = 256,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {prefix_cache_mb!r}")
+        self.prefix_cache_mb = prefix_cache_mb
+        self._prefix = PrefixCache(0)
         self.model_path = str(model_path)
         self._device_opt = device
         self._dtype_opt = dtype
@@ -139,6 +159,7 @@ class LocalEngine:
             "batch_size_sum": 0,
             "max_batch_size_seen": 0,
             "weight_updates": 0,
+            "prefix_cache_hit_tokens": 0,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,6 +176,7 @@ class LocalEngine:
             max_batch_size=engine.max_batch_size,
             max_context_len=model.max_context_len,
             num_threads=model.num_threads,
+            prefix_cache_mb=engine.prefix_cache_mb,
         )
 
     def initialize(self) -> None:
@@ -198,6 +220,7 @@ class LocalEngine:
             elif source:
                 eos.update(int(t) for t in source)
         self.eos_token_ids = sorted(eos)
+        self._prefix = PrefixCache(self._prefix_budget_tokens(cfg, dtype))
         with self._cv:
             self._alive, self._stopping = True, False
             self._thread = threading.Thread(
@@ -214,6 +237,14 @@ class LocalEngine:
             self.eos_token_ids,
             time.perf_counter() - t0,
         )
+
+    def _prefix_budget_tokens(self, cfg: Any, dtype: torch.dtype) -> int:
+        """Tokens of KV that ``prefix_cache_mb`` holds for this model."""
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        per_token = int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * dtype.itemsize
+        return int(self.prefix_cache_mb * 2**20) // per_token
 
     def destroy(self) -> None:
         """Stop the worker; unfinished requests end with ``stop_reason="abort"``."""
@@ -286,6 +317,7 @@ class LocalEngine:
                     f"update_weights takes a state dict or a path, got {type(weights)!r}"
                 )
             self._load_state(state)
+            self._prefix.clear()  # cached KV belongs to the old weights
             with self._cv:
                 self._version += 1
                 self._stats["weight_updates"] += 1
@@ -324,6 +356,8 @@ class LocalEngine:
             s["running"] = len(self._live) - len(self._pending)  # incl. being prefilled
             s["queued"] = len(self._pending)
             s["version"] = self._version
+        s["prefix_cache_tokens"] = self._prefix.tokens
+        s["prefix_cache_capacity_tokens"] = self._prefix.max_tokens
         steps = s["decode_steps"]
         s["mean_batch_size"] = s["batch_size_sum"] / steps if steps else 0.0
         return s
@@ -573,9 +607,61 @@ class LocalEngine:
         self._retire()
 
     def _prefill(self, admit: list[_Request], version: int) -> None:
-        """Prefill new requests in groups of similar length (little padding), then merge them."""
-        for group in _length_groups(admit):
+        """Prefill new requests in groups of similar length (little padding), then merge them.
+
+        With the prefix cache on, requests whose prompt starts with a cached prefix only prefill
+        the rest; a long prefix shared by several new requests is prefilled once first.
+        """
+        plain, cached = admit, []
+        if self._prefix.enabled:
+            self._seed_shared_prefixes(admit)
+            plain, cached = [], []
+            for r in admit:
+                n = self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                (cached if n >= _MIN_PREFIX else plain).append(r)
+        for group in _length_groups(plain):
             self._prefill_group(group, version)
+        if cached:
+            rest = {
+                id(r): len(r.req.input_ids)
+                - self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                for r in cached
+            }
+            for group in _length_groups(cached, size=lambda r: rest[id(r)]):
+                self._prefill_cached(group, version)
+
+    def _seed_shared_prefixes(self, admit: list[_Request]) -> None:
+        """Prefill, once, each long prefix that several of ``admit`` share and the cache lacks."""
+        ids = sorted(
+            (r.req.input_ids for r in admit if self._prefix.match_length(r.req.input_ids) == 0),
+            key=tuple,
+        )
+        i = 0
+        while i + 1 < len(ids):
+            shared = _common_prefix(ids[i], ids[i + 1])
+            j = i + 1
+            while j + 1 < len(ids):
+                nxt = min(shared, _common_prefix(ids[j], ids[j + 1]))
+                if nxt < _MIN_PREFIX:
+                    break
+                shared, j = nxt, j + 1
+            shared = min(shared, min(len(x) for x in ids[i : j + 1]) - 1)
+            if shared >= _MIN_PREFIX:
+                prefix = list(ids[i][:shared])
+                from transformers import DynamicCache
+
+                cache = DynamicCache()
+                self.model(
+                    input_ids=torch.tensor([prefix], dtype=torch.long, device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                self._stats["prefill_tokens"] += shared
+                self._prefix.insert(prefix, BatchKV.stack_prefill(cache)[:, :, 0])
+                i = j + 1
+            else:
+                i += 1
 
     def _prefill_group(self, admit: list[_Request], version: int) -> None:
         lengths = [len(r.req.input_ids) for r in admit]
@@ -599,7 +685,66 @@ class LocalEngine:
             logits_to_keep=1,
         )
         self._stats["prefill_tokens"] += sum(lengths)
-        tokens, logps = sample_rows(out.logits[:, -1, :], [r.sampling for r in admit])
+        self._admit_prefilled(
+            admit, out.logits[:, -1, :], BatchKV.stack_prefill(cache), mask, version
+        )
+
+    def _prefill_cached(self, admit: list[_Request], version: int) -> None:
+        """Prefill requests whose prompts start with a cached prefix: only the rest is computed.
+
+        Row layout (columns): ``[pad, cached prefix | pad, rest of the prompt]`` — the prefixes
+        right-aligned at column P, the rests right-aligned at the end, so the last column holds
+        every row's last prompt token. Pad columns are masked out; position ids count real tokens.
+        """
+        matches = [self._prefix.match(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit]
+        P = max(n for n, _ in matches)
+        rests = [len(r.req.input_ids) - n for r, (n, _) in zip(admit, matches, strict=True)]
+        S = max(rests)
+        L, two, H, _, D = matches[0][1].shape
+        n_rows = len(admit)
+        buf = matches[0][1].new_zeros((L, two, n_rows, H, P + S + _GROW, D))
+        mask = torch.zeros((n_rows, P + S + _GROW), dtype=torch.bool, device=self.device)
+        ids = torch.zeros((n_rows, S), dtype=torch.long)
+        pos = torch.zeros((n_rows, S), dtype=torch.long)
+        for i, (r, (n, kv)) in enumerate(zip(admit, matches, strict=True)):
+            buf[:, :, i, :, P - n : P] = kv
+            mask[i, P - n : P] = True
+            mask[i, P + S - rests[i] : P + S] = True
+            ids[i, S - rests[i] :] = torch.tensor(r.req.input_ids[n:], dtype=torch.long)
+            pos[i, S - rests[i] :] = torch.arange(n, n + rests[i])
+            pos[i, : S - rests[i]] = n
+            self._stats["prefix_cache_hit_tokens"] += n
+        kv_state = BatchKV(buf, mask, 0, P)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask[:, : P + S],
+            position_ids=pos.to(self.device),
+            past_key_values=kv_state.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv_state.advance(S)
+        self._stats["prefill_tokens"] += sum(rests)
+        self._admit_prefilled(
+            admit, out.logits[:, -1, :], buf[..., : P + S, :], mask[:, : P + S], version
+        )
+
+    def _admit_prefilled(
+        self,
+        admit: list[_Request],
+        logits: torch.Tensor,
+        new_kv: torch.Tensor,
+        mask: torch.Tensor,
+        version: int,
+    ) -> None:
+        """Sample each prefilled row's first token, cache the prompts' KV and merge the rows that
+        go on into the running batch (``new_kv`` ``[L,2,n,H,T,D]``, ``mask`` ``[n,T]``)."""
+        lengths = [len(r.req.input_ids) for r in admit]
+        if self._prefix.enabled:
+            for i, r in enumerate(admit):
+                if lengths[i] >= _MIN_PREFIX:
+                    self._prefix.insert(r.req.input_ids, new_kv[:, :, i][:, :, :, mask[i]])
+        tokens, logps = sample_rows(logits, [r.sampling for r in admit])
         now = time.perf_counter()
         for r in admit:
             r.first_token_at = now
@@ -610,7 +755,6 @@ class LocalEngine:
                 self._finish(r, r.reason)
         if not keep:
             return
-        new_kv = BatchKV.stack_prefill(cache)
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if len(keep) < len(admit):
             new_kv, mask = new_kv.index_select(2, idx), mask.index_select(0, idx)

@@ -22,8 +22,16 @@ from typing import Any
 
 import torch
 
-from areal_env.api.config import ActorConfig, ModelConfig
+from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
+from areal_env.trainer import memory
 from areal_env.trainer.advantages import group_advantages, shape_rewards, token_advantages
+from areal_env.trainer.tree import (
+    pack_rows,
+    packed_size,
+    tree_micro_batches,
+    tree_supported,
+    tree_token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +186,16 @@ def micro_batches(lengths: list[int], rows: list[int], max_tokens: int) -> list[
 
 
 @dataclass
+class MicroBatchPlan:
+    """The micro-batches of a set of rows and whether they are tree-packed."""
+
+    groups: list[list[int]]
+    tree: bool
+    logical_tokens: int  # sum of the rows' lengths
+    computed_tokens: int  # tokens the model runs over (trie nodes when packed)
+
+
+@dataclass
 class PreparedBatch:
     """A batch with everything the update needs, flattened over scored tokens per row."""
 
@@ -226,6 +244,11 @@ class PPOActor:
         if self.model_cfg.gradient_checkpointing:
             _enable_checkpointing(self.model)
         self.model.train()
+        self.tree_unsupported = tree_supported(self.model)
+        if actor.tree_training == "on" and self.tree_unsupported:
+            raise ConfigError(
+                f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
+            )
         self.ref_model = None
         if actor.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(
@@ -264,19 +287,72 @@ class PPOActor:
         mask = scored_mask(batch).to(self.device)
         lengths = _row_lengths(attn)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)
-        for mb in micro_batches(lengths, list(range(len(lengths))), self.cfg.micro_batch_tokens):
+        rows = list(range(len(lengths)))
+        plan = self.plan_micro_batches(batch["input_ids"], lengths, rows)
+        for mb in plan.groups:
             idx = torch.tensor(mb, device=self.device)
             width = max(lengths[r] for r in mb)
             m = mask[idx, :width]
             if not m.any():
                 continue
-            lp, _ = token_logprobs(
-                model, input_ids[idx, :width], attn[idx, :width], m, self.temperature
-            )
+            if plan.tree:
+                lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb)
+            else:
+                lp, _ = token_logprobs(
+                    model, input_ids[idx, :width], attn[idx, :width], m, self.temperature
+                )
             sub = torch.zeros(m.shape, dtype=torch.float32, device=self.device)
             sub[m] = lp.float()
             out[idx, :width] = sub
         return out.cpu()
+
+    # -- micro-batching (flat or tree-packed) ------------------------------------------------
+
+    def plan_micro_batches(
+        self, input_ids: torch.Tensor, lengths: list[int], rows: list[int]
+    ) -> MicroBatchPlan:
+        """How ``rows`` go through the model: tree-packed groups or padded flat micro-batches.
+
+        ``tree_training=auto`` packs when the trie saves at least a quarter of the tokens (GRPO
+        groups, shared system prompts, multi-turn rows); below that the dense tree mask costs
+        more than the saved tokens.
+        """
+        budget = self.cfg.micro_batch_tokens
+        logical = sum(lengths[r] for r in rows)
+        mode = self.cfg.tree_training
+        if mode != "off" and not self.tree_unsupported and rows:
+            toks = {r: input_ids[r, : lengths[r]].tolist() for r in rows}
+            packed = packed_size([toks[r] for r in rows])
+            if mode == "on" or packed <= 0.75 * logical:
+                seqs = [toks.get(i, ()) for i in range(max(rows) + 1)]
+                groups = tree_micro_batches(seqs, rows, budget)
+                nodes = sum(packed_size([toks[r] for r in g]) for g in groups)
+                return MicroBatchPlan(groups, True, logical, nodes)
+        return MicroBatchPlan(micro_batches(lengths, rows, budget), False, logical, logical)
+
+    def _tree_logprobs(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        lengths: list[int],
+        rows: list[int],
+        *,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seqs = [input_ids[r, : lengths[r]] for r in rows]
+        tree = pack_rows([s.tolist() for s in seqs])
+        return tree_token_logprobs(
+            model,
+            tree,
+            [mask[r, : lengths[r]] for r in rows],
+            seqs,
+            self.temperature,
+            plain_head=type(model).__name__ in _PLAIN_HEAD_MODELS,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
 
     # -- preparation ------------------------------------------------------------------------
 
@@ -335,6 +411,7 @@ class PPOActor:
         Blocking and CPU/GPU heavy: the trainer calls it through ``asyncio.to_thread``.
         """
         t_start = time.perf_counter()
+        memory.reset_peak()
         pb = self.prepare(batch)
         a = self.cfg
         stats = dict(pb.stats)
@@ -347,6 +424,7 @@ class PPOActor:
             # move Adam's moments. Skip it (and say so).
             stats["actor/update_skipped"] = 1.0
             stats["time/update_s"] = time.perf_counter() - t_start
+            stats["mem/update_peak_rss_gb"] = memory.peak_rss_gb()
             return stats
         stats["actor/update_skipped"] = 0.0
         gen = torch.Generator().manual_seed(self.seed * 100_003 + (step or self.update_count))
@@ -357,6 +435,8 @@ class PPOActor:
         skipped_nonfinite = 0
         self.model.train()
         trained_tokens = 0
+        packed_tokens = 0
+        tree_used = False
         for _ in range(a.ppo_epochs):
             perm = torch.randperm(n_rows, generator=gen).tolist()
             n_mb = min(a.ppo_n_minibatches, n_rows)
@@ -366,8 +446,11 @@ class PPOActor:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
-                for micro in micro_batches(pb.lengths, mb_rows, a.micro_batch_tokens):
-                    loss_sum, diag = self._micro_loss(pb, micro)
+                plan = self.plan_micro_batches(pb.input_ids, pb.lengths, mb_rows)
+                packed_tokens += plan.computed_tokens
+                tree_used = tree_used or plan.tree
+                for micro in plan.groups:
+                    loss_sum, diag = self._micro_loss(pb, micro, tree=plan.tree)
                     (loss_sum / mb_tokens).backward()
                     mb_loss += float(loss_sum.detach()) / mb_tokens
                     for k, v in diag.items():
@@ -400,6 +483,10 @@ class PPOActor:
                 "actor/lr": a.lr,
                 "time/update_s": elapsed,
                 "perf/train_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
+                "actor/tree_packed": float(tree_used),
+                "actor/computed_tokens": float(packed_tokens),
+                "actor/token_sharing": trained_tokens / packed_tokens if packed_tokens else 1.0,
+                "mem/update_peak_rss_gb": memory.peak_rss_gb(),
             }
         )
         if "ref_kl" in sums:
@@ -409,7 +496,7 @@ class PPOActor:
         return stats
 
     def _micro_loss(
-        self, pb: PreparedBatch, rows: list[int]
+        self, pb: PreparedBatch, rows: list[int], *, tree: bool = False
     ) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.cfg
         width = max(pb.lengths[r] for r in rows)
@@ -418,15 +505,26 @@ class PPOActor:
         if not m.any():
             return torch.zeros((), requires_grad=True), {}
         dev = self.device
-        logp, ent = token_logprobs(
-            self.model,
-            pb.input_ids[idx, :width].to(dev),
-            pb.attention_mask[idx, :width].to(dev),
-            m.to(dev),
-            self.temperature,
-            with_entropy=True,
-            entropy_grad=a.entropy_coef != 0,
-        )
+        if tree:
+            logp, ent = self._tree_logprobs(
+                self.model,
+                pb.input_ids,
+                pb.mask,
+                pb.lengths,
+                rows,
+                with_entropy=True,
+                entropy_grad=a.entropy_coef != 0,
+            )
+        else:
+            logp, ent = token_logprobs(
+                self.model,
+                pb.input_ids[idx, :width].to(dev),
+                pb.attention_mask[idx, :width].to(dev),
+                m.to(dev),
+                self.temperature,
+                with_entropy=True,
+                entropy_grad=a.entropy_coef != 0,
+            )
         sel = m
         old = pb.old_logp[idx, :width][sel].to(dev)
         adv = pb.adv[idx, :width][sel].to(dev)

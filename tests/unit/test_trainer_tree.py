@@ -1,0 +1,195 @@
+"""Tree training: packed logprobs and gradients equal the flat (row by row) computation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
+from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.tree import pack_rows, packed_size, tree_micro_batches
+
+# ---------------------------------------------------------------- packing (no model)
+
+
+def test_pack_rows_shares_prefixes_and_keeps_row_order():
+    rows = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6, 7], [9], [1, 2, 5]]
+    tree = pack_rows(rows)
+    # nodes: 1,2,3,4 | 6,7 | 5 | 9  -> 8 distinct prefixed tokens
+    assert tree.n_nodes == 8 == packed_size(rows)
+    assert tree.n_logical == sum(map(len, rows))
+    for row, path in zip(rows, tree.paths, strict=True):
+        assert tree.input_ids[path].tolist() == row
+        assert tree.position_ids[path].tolist() == list(range(len(row)))
+    assert tree.paths[1].tolist() == tree.paths[4].tolist()  # identical rows, identical nodes
+    assert tree.paths[2][:4].tolist() == tree.paths[0].tolist()  # multi-turn: extends row 0
+
+
+def test_ancestor_mask_matches_brute_force():
+    rng = random.Random(0)
+    rows = [[rng.randint(0, 3) for _ in range(rng.randint(1, 9))] for _ in range(30)]
+    tree = pack_rows(rows)
+    mask = tree.ancestor_mask()
+    # brute force: k is an ancestor-or-self of q iff some row's path holds k before/at q
+    expect = torch.zeros_like(mask)
+    for path in tree.paths:
+        for i, q in enumerate(path.tolist()):
+            for k in path[: i + 1].tolist():
+                expect[q, k] = True
+    assert torch.equal(mask, expect)
+    # parents come first: the mask is lower-triangular in node order
+    assert not torch.triu(mask, diagonal=1).any()
+
+
+def test_tree_micro_batches_respect_the_node_budget():
+    rng = random.Random(1)
+    prefix = list(range(20))
+    rows = [prefix + [rng.randint(0, 50) for _ in range(rng.randint(1, 15))] for _ in range(16)]
+    rows.append(list(range(100, 160)))  # longer than the budget: alone
+    groups = tree_micro_batches(rows, list(range(len(rows))), 50)
+    assert sorted(r for g in groups for r in g) == list(range(len(rows)))
+    for g in groups:
+        assert len(g) == 1 or packed_size([rows[r] for r in g]) <= 50
+    assert len(groups) > 2
+
+
+def test_tree_training_config_is_validated():
+    with pytest.raises(ConfigError, match="tree_training"):
+        ActorConfig(tree_training="yes").validate()  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- real model
+
+
+def _agent_batch(tokenizer, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rows shaped like agent RL: two GRPO groups over a shared system prompt, identical samples,
+    multi-turn rows that extend an earlier row, and branches after a shared first turn."""
+    g = random.Random(seed)
+    system = tokenizer("You are a careful assistant with a calculator tool. " * 3)["input_ids"]
+    tasks = [tokenizer(t)["input_ids"] for t in (" What is 3 + 4?", " Multiply 6 by 7 please.")]
+
+    def words(n: int) -> list[int]:
+        vocab = [" add", " 7", " the", " answer", " is", " tool", " call", " 42", " ok"]
+        return sum((tokenizer(g.choice(vocab))["input_ids"] for _ in range(n)), [])
+
+    rows: list[tuple[list[int], list[int]]] = []  # (tokens, loss mask)
+    for task in tasks:
+        prompt = system + task
+        first = words(4)
+        for i in range(4):
+            comp = first if i == 1 else words(3 + i)  # samples 0/1 identical (first == first)
+            if i == 0:
+                comp = first
+            rows.append((prompt + comp, [0] * len(prompt) + [1] * len(comp)))
+        # multi-turn: turn 2 extends sample 0 with a tool result and a second answer
+        tool = tokenizer(" <tool_response>7</tool_response>")["input_ids"]
+        second = words(3)
+        toks = prompt + first + tool + second
+        lm = [0] * len(prompt) + [1] * len(first) + [0] * len(tool) + [1] * len(second)
+        rows.append((toks, lm))
+        # a branch: same first turn and tool result, different second answer
+        other = words(2)
+        rows.append(
+            (
+                prompt + first + tool + other,
+                lm[: len(prompt) + len(first) + len(tool)] + [1] * len(other),
+            )
+        )
+    width = max(len(t) for t, _ in rows) + 2
+    b = len(rows)
+    batch = {
+        "input_ids": torch.full((b, width), tokenizer.eos_token_id, dtype=torch.int64),
+        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
+        "logprobs": torch.zeros(b, width),
+        "versions": torch.full((b, width), -1, dtype=torch.int32),
+        "rewards": torch.tensor([float(i % 3 == 0) for i in range(b)]),
+        "group_ids": torch.tensor([i // (b // 2) for i in range(b)]),
+        "traj_ids": torch.arange(b),
+    }
+    for i, (t, lm) in enumerate(rows):
+        batch["input_ids"][i, : len(t)] = torch.tensor(t)
+        batch["attention_mask"][i, : len(t)] = True
+        batch["loss_mask"][i, : len(t)] = torch.tensor(lm, dtype=torch.int32)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def actor(model_path):
+    cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-5)
+    return PPOActor(
+        model_path, cfg, ModelConfig(gradient_checkpointing=True), temperature=0.8, seed=2
+    )
+
+
+def _logprobs(actor, batch, mode, budget):
+    actor.cfg.tree_training, actor.cfg.micro_batch_tokens = mode, budget
+    return actor.compute_logprobs(batch)
+
+
+def test_tree_logprobs_equal_flat(actor, tokenizer):
+    batch = _agent_batch(tokenizer)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    plan = actor.plan_micro_batches(batch["input_ids"], lengths, list(range(len(lengths))))
+    assert plan.tree and plan.computed_tokens < 0.6 * plan.logical_tokens
+    flat = _logprobs(actor, batch, "off", 4096)
+    tree = _logprobs(actor, batch, "on", 4096)
+    small = _logprobs(actor, batch, "on", 120)  # several packed micro-batches
+    assert len(actor.plan_micro_batches(batch["input_ids"], lengths, plan.groups[0]).groups) >= 1
+    mask = batch["loss_mask"].bool()
+    assert (flat[mask] != 0).all()
+    assert (tree - flat).abs().max() < 1e-4
+    assert (small - flat).abs().max() < 1e-4
+    assert (tree[~mask] == 0).all()
+
+
+def _grads(actor, batch, mode, budget):
+    actor.cfg.tree_training, actor.cfg.micro_batch_tokens = mode, budget
+    pb = actor.prepare(batch)
+    n_tok = int(pb.mask.sum())
+    actor.model.zero_grad(set_to_none=True)
+    plan = actor.plan_micro_batches(pb.input_ids, pb.lengths, list(range(len(pb.lengths))))
+    assert plan.tree == (mode == "on")
+    total = 0.0
+    for micro in plan.groups:
+        loss, _ = actor._micro_loss(pb, micro, tree=plan.tree)
+        (loss / n_tok).backward()
+        total += float(loss.detach()) / n_tok
+    grads = torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
+    actor.model.zero_grad(set_to_none=True)
+    return total, grads, len(plan.groups)
+
+
+def test_tree_gradients_equal_flat_with_checkpointing_and_micro_batches(actor, tokenizer):
+    batch = _agent_batch(tokenizer, seed=1)
+    mask = batch["loss_mask"].bool()
+    lp = _logprobs(actor, batch, "off", 4096)
+    g = torch.Generator().manual_seed(0)
+    batch["logprobs"] = torch.where(mask, lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.5, 0)
+    actor.model.train()
+    assert (
+        getattr(actor.model, "is_activation_checkpointing", None)
+        or actor.model.is_gradient_checkpointing
+    )
+    loss_f, grad_f, _ = _grads(actor, batch, "off", 4096)
+    loss_t, grad_t, n_one = _grads(actor, batch, "on", 4096)
+    loss_m, grad_m, n_many = _grads(actor, batch, "on", 120)
+    assert n_one == 1 and n_many > 1
+    assert loss_t == pytest.approx(loss_f, rel=1e-5, abs=1e-6)
+    assert loss_m == pytest.approx(loss_f, rel=1e-5, abs=1e-6)
+    scale = grad_f.norm()
+    assert scale > 0
+    assert float((grad_t - grad_f).norm() / scale) < 1e-4
+    assert float((grad_m - grad_f).norm() / scale) < 1e-4
+
+
+def test_update_reports_tree_packing_and_peak_memory(actor, tokenizer):
+    batch = _agent_batch(tokenizer, seed=2)
+    actor.cfg.tree_training, actor.cfg.micro_batch_tokens = "auto", 4096
+    stats = actor.update(batch, step=1)
+    assert stats["actor/update_skipped"] == 0.0
+    assert stats["actor/tree_packed"] == 1.0
+    assert stats["actor/token_sharing"] > 1.5
+    assert 0.3 < stats["mem/update_peak_rss_gb"] < 64

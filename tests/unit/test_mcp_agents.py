@@ -110,3 +110,14 @@ def test_mcp_needs_a_reward_fn_and_one_environment():
     runner = load_file_module(str(ROOT / "agents/openai_agents_runner.py"))
     with pytest.raises(ValueError, match="mcp.command"):
         runner.RunnerAgent(mcp_config={"args": []}, reward_fn=lambda: 0.0)
+
+
+async def test_runner_agent_keeps_episodes_with_invented_tools(proxy_server, engine):
+    """An invented tool name: the Agents SDK (0.24 as 0.4) aborts the run with
+    ModelBehaviorError; the episode is still scored, not lost."""
+    agent = _agent("runner", mcp_config=SERVER, reward_fn=lambda final_answer: 0.5, max_turns=2)
+    engine.push(_call("sqrt", '{"x": 9}'))
+    _, key = open_session(proxy_server)
+    before = len(engine.requests)
+    assert await agent.run(ITEM, base_url=proxy_server.openai_base_url, api_key=key) == 0.5
+    assert len(engine.requests) - before == 1

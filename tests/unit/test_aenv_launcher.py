@@ -58,3 +58,30 @@ def test_broken_environment_reports_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code"):
         launcher.start()
     assert launcher.servers == []
+
+
+def test_servers_run_from_their_own_interpreter(tmp_path, aenv_tools_path, monkeypatch):
+    """The core venv has no aenvironment SDK; the servers run from .venv-aenv (or the one named
+    by the config key / environment variable), and a wrong one is a clear error."""
+    import importlib.util
+    import sys
+
+    from areal_env.infra.aenv.launcher import (
+        AENV_PYTHON_ENV,
+        AenvPythonError,
+        ensure_aenv_python,
+        find_aenv_python,
+    )
+
+    python = find_aenv_python()
+    assert python is not None and python != sys.executable
+    assert importlib.util.find_spec("aenv") is None  # not in the core's venv
+    with AenvServerLauncher(aenv_tools_path, first_host=140, log_dir=tmp_path) as servers:
+        assert servers.python == python
+        assert "-m aenv.main" in " ".join(servers.servers[0].process.args)
+    monkeypatch.setenv(AENV_PYTHON_ENV, sys.executable)
+    with pytest.raises(AenvPythonError, match="cannot import aenv.*pip install aenvironment"):
+        ensure_aenv_python()
+    monkeypatch.delenv(AENV_PYTHON_ENV)
+    with pytest.raises(AenvPythonError, match="cannot import aenv"):
+        ensure_aenv_python(sys.executable)  # the config key (aenv_config.server_python)

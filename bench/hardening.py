@@ -24,6 +24,12 @@ request: the server thread's CPU time from the last body byte received to the re
 byte. The scripted engine answers without suspending, so that span runs only the proxy's code,
 and CPU time (not wall time) leaves out the load generator and other processes sharing the cores.
 
+**Faults.** ``set_reward``/``end_session`` retried three times (the reward counts once); an
+``areal-env serve`` process SIGKILLed mid-generation and restarted on its port (the SGLang client's
+request completes once); a checkpoint written to a full tmpfs (the previous one stays the latest
+and loads bit-exact; skipped where no tmpfs can be mounted). ``faults_lost_data`` counts the
+ones that lost or doubled anything.
+
 The last line printed is one JSON object with every figure.
 """
 
@@ -1183,6 +1189,171 @@ async def _soak(info: dict, proc: Any, sessions: int, total: int, ttl: float) ->
 
 
 # ================================================================================================
+# faults
+# ================================================================================================
+
+SERVE_CHILD = """
+import sys
+from transformers import AutoTokenizer
+from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
+from areal_env.engine.server import create_app
+from areal_env.engine.testing import Reply, ScriptedEngine
+from areal_env.http.net import bind_socket
+from areal_env.http.runner import serve_forever
+
+port, delay = int(sys.argv[1]), float(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(str(resolve_model_path(DEFAULT_MODEL)))
+engine = ScriptedEngine(tok, default=Reply(text="The answer is 5.", delay=delay))
+serve_forever(create_app(engine), bind_socket("127.0.0.1", port),
+              on_ready=lambda: print("READY", flush=True), log_level="error")
+"""
+
+
+def _start_serve(port: int, delay: float) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_CHILD, str(port), str(delay)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert "READY" in proc.stdout.readline()
+    return proc
+
+
+def fault_reward_retries(tokenizer: Any) -> int:
+    """set_reward and end_session retried 3 times each: the reward counts once."""
+    from areal_env.proxy.server import ProxyServer
+
+    with ProxyServer(agent_like_engine(tokenizer), tokenizer) as p:
+        admin = {"Authorization": f"Bearer {p.admin_key}"}
+        r = httpx.post(p.base_url + "/rl/start_session", json={}, headers=admin).json()
+        key = {"Authorization": f"Bearer {r['api_key']}"}
+        httpx.post(
+            p.base_url + "/v1/chat/completions",
+            headers=key,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        for _ in range(3):
+            httpx.post(p.base_url + "/rl/set_reward", json={"reward": 1.0}, headers=key)
+        for _ in range(3):
+            httpx.post(p.base_url + "/rl/end_session", json={}, headers=key)
+        exp = httpx.post(
+            p.base_url + "/export_trajectories", json={"session_id": r["session_id"]}, headers=admin
+        ).json()
+        rewards = [t["reward"] for t in exp["trajectories"].values()]
+        return 0 if rewards == [1.0] else 1
+
+
+def fault_serve_killed(tokenizer: Any) -> int:
+    """``areal-env serve`` SIGKILLed mid-generation and restarted: the request completes once."""
+    from areal_env.api.io import GenerationConfig, ModelRequest
+    from areal_env.engine.sglang import SGLangEngine
+    from areal_env.http.net import bind_socket
+
+    s = bind_socket("127.0.0.1", 0)
+    port = s.getsockname()[1]
+    s.close()
+    procs = [_start_serve(port, 1.0)]
+    eng = SGLangEngine([f"127.0.0.1:{port}"], max_retries=8, retry_backoff=0.25)
+    try:
+        eng.initialize()
+
+        async def scenario() -> Any:
+            req = ModelRequest(
+                rid="f1", input_ids=[1, 2, 3], gconfig=GenerationConfig(max_new_tokens=16)
+            )
+            task = asyncio.create_task(eng.agenerate(req))
+            await asyncio.sleep(0.4)
+            procs[0].kill()
+            await asyncio.to_thread(procs[0].wait)
+            procs.append(await asyncio.to_thread(_start_serve, port, 0.0))
+            return await task
+
+        resp = asyncio.run(scenario())
+        want = tokenizer.encode("The answer is 5.", add_special_tokens=False)
+        return 0 if resp.output_tokens[:-1] == want else 1
+    finally:
+        eng.destroy()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def fault_disk_full(tmp: Path) -> int | None:
+    """A checkpoint written to a full tmpfs: the previous one stays the latest and loads.
+    None when no tmpfs can be mounted here."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_env.trainer import checkpoint as ckpt
+
+    mnt = tmp / "disk"
+    mnt.mkdir()
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        return None
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
+        root = mnt / "ckpts"
+        kw = {"tokenizer": None, "optimizer": None, "trainer_state": {}}
+        first = ckpt.save_checkpoint(root, 1, model=model, **kw)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        st = os.statvfs(mnt)
+        used = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
+        (mnt / "filler").write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - used // 2))
+        try:
+            ckpt.save_checkpoint(root, 2, model=model, **kw)
+            return 1  # it cannot have fitted
+        except ckpt.CheckpointWriteError:
+            pass
+        latest = ckpt.latest_checkpoint(root)
+        fresh = LlamaForCausalLM(model.config)
+        ckpt.restore_checkpoint(latest, model=fresh, optimizer=None)
+        same = all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+        return 0 if latest.name == "step_1" and same else 1
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def run_faults(tokenizer: Any) -> dict[str, Any]:
+    import tempfile
+
+    lost: dict[str, int] = {}
+    lost["reward_retries"] = fault_reward_retries(tokenizer)
+    lost["serve_killed_mid_generation"] = fault_serve_killed(tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        disk = fault_disk_full(Path(tmp))
+    if disk is not None:
+        lost["checkpoint_disk_full"] = disk
+    for name, n in lost.items():
+        log(f"fault {name}: {'ok' if n == 0 else 'DATA LOST'}")
+    return {
+        "faults_injected": len(lost),
+        "faults_lost_data": sum(lost.values()),
+        "faults": sorted(lost),
+    }
+
+
+# ================================================================================================
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1200,6 +1371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=15.0, help="seconds before a request hangs")
     p.add_argument("--skip-fuzz", action="store_true")
     p.add_argument("--skip-soak", action="store_true")
+    p.add_argument("--skip-faults", action="store_true")
     p.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_proxy:
@@ -1215,6 +1387,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer()
     if not args.skip_fuzz:
         result.update(run_fuzz(tok, n_fuzz, args.timeout))
+    if not args.skip_faults:
+        result.update(run_faults(tok))
     if not args.skip_soak:
         log(f"soak: {args.soak_sessions} concurrent sessions, {n_soak} requests")
         result.update(run_soak(args.soak_sessions, n_soak, ttl))

@@ -1337,11 +1337,21 @@ def fault_disk_full(tmp: Path) -> int | None:
 def run_faults(tokenizer: Any) -> dict[str, Any]:
     import tempfile
 
+    def attempt(fn: Any, *args: Any) -> int | None:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a fault that broke the harness counts as lost
+            log(f"fault {fn.__name__} raised {type(e).__name__}: {e}")
+            return 1
+
     lost: dict[str, int] = {}
-    lost["reward_retries"] = fault_reward_retries(tokenizer)
-    lost["serve_killed_mid_generation"] = fault_serve_killed(tokenizer)
+    for name, fn in (
+        ("reward_retries", fault_reward_retries),
+        ("serve_killed_mid_generation", fault_serve_killed),
+    ):
+        lost[name] = attempt(fn, tokenizer) or 0
     with tempfile.TemporaryDirectory() as tmp:
-        disk = fault_disk_full(Path(tmp))
+        disk = attempt(fault_disk_full, Path(tmp))
     if disk is not None:
         lost["checkpoint_disk_full"] = disk
     for name, n in lost.items():
@@ -1366,7 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
         "--session-ttl",
         type=float,
         default=None,
-        help="idle TTL of soak sessions (20 quick, 60 full)",
+        help="idle TTL of soak sessions (30 quick, 60 full)",
     )
     p.add_argument("--timeout", type=float, default=15.0, help="seconds before a request hangs")
     p.add_argument("--skip-fuzz", action="store_true")
@@ -1382,7 +1392,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     n_fuzz = args.fuzz_requests or (600 if args.quick else 5000)
     n_soak = args.soak_requests or (1500 if args.quick else 30000)
-    ttl = args.session_ttl or (20.0 if args.quick else 60.0)
+    ttl = args.session_ttl or (30.0 if args.quick else 60.0)
     result: dict[str, Any] = {"mode": "quick" if args.quick else "full"}
     tok = load_tokenizer()
     if not args.skip_fuzz:

@@ -3,8 +3,8 @@
     python examples/mcp/serve_git.py outputs/mcp-example/repo
 
 Builds the repository first if it is missing (``build_repo.py``), then replaces this process
-with ``mcp-server-git --repository REPO``: the agent talks to the real third-party server over
-stdio. ``McpConfig.command`` runs this script once per episode (``isolation: episode``).
+with ``mcp-server-git --repository REPO``, started inside REPO (so ``repo_path: "."`` works):
+the agent talks to the real third-party server over stdio. ``McpConfig.command`` runs this script once per episode (``isolation: episode``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ def main() -> None:
     server = shutil.which("mcp-server-git") or str(Path(sys.executable).parent / "mcp-server-git")
     if not Path(server).exists():
         sys.exit("mcp-server-git is not installed: pip install mcp-server-git (in the dev extra)")
+    # Inside the repository, repo_path "." is the repository: the easiest argument for a
+    # small model to write (absolute paths work too).
+    os.chdir(repo)
     os.execv(server, [server, "--repository", str(repo)])
 
 

@@ -70,7 +70,7 @@ async def test_an_episode_of_the_example_config(repo, proxy_server):
     agent = AenvAgent(**kwargs)
     engine = proxy_server.state.engine
     engine.push(
-        f'<tool_call>[{{"name": "git_log", "arguments": {{"repo_path": "{repo}"}}}}]</tool_call>',
+        '<tool_call>[{"name": "git_log", "arguments": {"repo_path": "."}}]</tool_call>',
         "Alan Turing wrote it.",
     )
     _, key = open_session(proxy_server)

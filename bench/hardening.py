@@ -1385,7 +1385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_proxy:
-        serve_proxy_child(args.session_ttl)
+        serve_proxy_child(args.session_ttl or 60.0)
         return 0
     import logging
 

@@ -6,8 +6,15 @@ object and the same torch threads: all at once through ``LocalEngine`` (8 and th
 requests), and one after another with transformers' ``model.generate``. Baseline and engine runs
 are interleaved so that load changes on a shared machine hit both sides.
 
+The prefix case (``--case prefix``) is the demo's agent traffic: 4 problems x 8 samples behind
+one shared ~500-token system prompt with tool schemas, short outputs (``--prefix-new-tokens``,
+default 20), two turns (the second turn's prompt is the first turn plus its output plus a tool
+result). The same engine runs it with the prefix cache off and on (emptied before each run,
+alternating, ``--prefix-repeats`` times); ``prefix_cache_speedup`` = rollout wall time without /
+with (median), and ``rollout_tok_s_off`` / ``rollout_tok_s_on`` the output tokens per second.
+
 The last line of output is one JSON object, e.g.
-``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, ...}``.
+``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, "prefix_cache_speedup": 2.6, ...}``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -84,6 +92,113 @@ def hf_one_by_one(model, prompts: list[list[int]], new_tokens: int, pad_id: int)
     return times
 
 
+TOOLS = [
+    ("add", "Add two numbers and return the sum.", ["a", "b"]),
+    ("subtract", "Subtract the second number from the first.", ["a", "b"]),
+    ("multiply", "Multiply two numbers and return the product.", ["a", "b"]),
+    ("divide", "Divide the first number by the second; errors on division by zero.", ["a", "b"]),
+    ("power", "Raise the base to the exponent.", ["base", "exponent"]),
+    ("sqrt", "Square root of a non-negative number.", ["x"]),
+    ("modulo", "Remainder of the first number divided by the second.", ["a", "b"]),
+]
+
+
+def agent_system_prompt(target_tokens: int, tokenizer) -> str:
+    """A system prompt with JSON tool schemas, as the proxy renders them, of about
+    ``target_tokens`` tokens."""
+    schemas = []
+    for name, desc, params in TOOLS:
+        props = {p: {"type": "number", "description": f"the {p} operand"} for p in params}
+        schemas.append(
+            json.dumps(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": desc,
+                        "parameters": {"type": "object", "properties": props, "required": params},
+                    },
+                }
+            )
+        )
+    text = (
+        "You are a careful assistant that solves arithmetic problems with tools.\n"
+        "# Tools\nYou may call one or more functions to assist with the user query.\n"
+        "<tools>\n" + "\n".join(schemas) + "\n</tools>\n"
+        'For each call, return <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>.'
+    )
+    while len(tokenizer(text)["input_ids"]) < target_tokens:
+        text += " Always check the tool result before answering, and answer with a number."
+    return text
+
+
+def agent_prompts(tokenizer, system_tokens: int, problems: int, samples: int) -> list[list[int]]:
+    system = agent_system_prompt(system_tokens, tokenizer)
+    out = []
+    for p in range(problems):
+        task = f"Problem {p}: a shop sells {p + 3} boxes of {7 * p + 5} apples; how many apples?"
+        ids = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": task}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        out += [list(ids)] * samples
+    return out
+
+
+async def agent_rollout(engine: LocalEngine, prompts, new_tokens: int, tool_ids) -> int:
+    """Two turns per episode, all episodes concurrent; returns output tokens."""
+    g = dict(max_new_tokens=new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+
+    async def episode(i: int, prompt: list[int]) -> int:
+        r1 = await engine.agenerate(ModelRequest(prompt, GenerationConfig(seed=i, **g)))
+        turn2 = prompt + r1.output_tokens + tool_ids
+        r2 = await engine.agenerate(ModelRequest(turn2, GenerationConfig(seed=1000 + i, **g)))
+        return len(r1.output_tokens) + len(r2.output_tokens)
+
+    return sum(await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts))))
+
+
+def prefix_case(engine: LocalEngine, args) -> dict[str, float]:
+    tok = engine.tokenizer
+    prompts = agent_prompts(tok, args.system_tokens, 4, 8)
+    tool_ids = tok(
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )["input_ids"]
+    print(
+        f"prefix case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
+        f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
+        flush=True,
+    )
+    walls: dict[str, list[float]] = {"off": [], "on": []}
+    tokens = 0
+    for rep in range(args.prefix_repeats):
+        for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            engine.set_prefix_cache_mb(args.prefix_cache_mb if side == "on" else 0)
+            before = engine.stats()
+            t0 = time.perf_counter()
+            tokens = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
+            wall = time.perf_counter() - t0
+            after = engine.stats()
+            walls[side].append(wall)
+            print(
+                f"rep {rep} cache {side:3s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), prefill "
+                f"{int(after['prefill_tokens'] - before['prefill_tokens'])} tokens, reused "
+                f"{int(after['prefix_cache_hit_tokens'] - before['prefix_cache_hit_tokens'])}",
+                flush=True,
+            )
+    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
+    engine.set_prefix_cache_mb(args.prefix_cache_mb)
+    return {
+        "prefix_cache_speedup": round(off / on, 2),
+        "rollout_tok_s_off": round(tokens / off, 1),
+        "rollout_tok_s_on": round(tokens / on, 1),
+        "prefix_prompt_tokens": len(prompts[0]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
@@ -96,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         help="time only this many one-by-one requests per size and scale up (default: all)",
     )
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 new tokens, 4 baseline")
+    ap.add_argument("--case", choices=["batching", "prefix", "all"], default="all")
+    ap.add_argument(
+        "--system-tokens",
+        type=int,
+        default=500,
+        help="prefix case: least tokens of the shared system prompt",
+    )
+    ap.add_argument("--prefix-new-tokens", type=int, default=20)
+    ap.add_argument("--prefix-repeats", type=int, default=2)
+    ap.add_argument("--prefix-cache-mb", type=float, default=256)
     args = ap.parse_args(argv)
     if args.quick:
         args.new_tokens = 8
@@ -122,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         hf_one_by_one(model, prompts[:1], 4, pad_id)
 
         result: dict[str, float] = {}
+        if args.case in ("prefix", "all"):
+            result.update(prefix_case(engine, args))
         done_baseline: list[float] = []
-        for n in (8, 32):
+        for n in (8, 32) if args.case != "prefix" else ():
             load = os.getloadavg()[0]
             t_engine = asyncio.run(engine_run(engine, prompts[:n], args.new_tokens))
             todo = prompts[len(done_baseline) : n]
@@ -143,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             result[f"speedup_{n}"] = round(speedup, 2)
             result[f"tok_s_{n}"] = round(tokens / t_engine, 1)
-        result["baseline_tok_s"] = round(
-            len(done_baseline) * args.new_tokens / sum(done_baseline), 1
-        )
+        if done_baseline:
+            result["baseline_tok_s"] = round(
+                len(done_baseline) * args.new_tokens / sum(done_baseline), 1
+            )
         stats = engine.stats()
         print(
             f"engine stats: {int(stats['decode_steps'])} decode steps, mean batch "

@@ -329,6 +329,25 @@ class LocalEngine:
                 self._holders -= 1
                 self._cv.notify_all()
 
+    def set_prefix_cache_mb(self, mb: float) -> None:
+        """Resize (and empty) the prefix cache at a step boundary; 0 turns it off."""
+        if mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {mb!r}")
+        self._require_alive()
+        with self._cv:
+            self._holders += 1
+            while self._in_step:
+                self._cv.wait()
+        try:
+            self.prefix_cache_mb = mb
+            self._prefix = PrefixCache(
+                self._prefix_budget_tokens(self.model.config, self.model.dtype)
+            )
+        finally:
+            with self._cv:
+                self._holders -= 1
+                self._cv.notify_all()
+
     def _load_folder(self, path: str) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
@@ -697,6 +716,14 @@ class LocalEngine:
         every row's last prompt token. Pad columns are masked out; position ids count real tokens.
         """
         matches = [self._prefix.match(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit]
+        if any(n == 0 for n, _ in matches):  # evicted since it was looked up: prefill it whole
+            self._prefill_group(
+                [r for r, (n, _) in zip(admit, matches, strict=True) if n == 0], version
+            )
+            kept = [(r, m) for r, m in zip(admit, matches, strict=True) if m[0] > 0]
+            if not kept:
+                return
+            admit, matches = [r for r, _ in kept], [m for _, m in kept]
         P = max(n for n, _ in matches)
         rests = [len(r.req.input_ids) - n for r, (n, _) in zip(admit, matches, strict=True)]
         S = max(rests)

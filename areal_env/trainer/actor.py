@@ -26,6 +26,7 @@ from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer import memory
 from areal_env.trainer.advantages import group_advantages, shape_rewards, token_advantages
 from areal_env.trainer.tree import (
+    enable_tree_attention,
     pack_rows,
     packed_size,
     tree_micro_batches,
@@ -244,6 +245,8 @@ class PPOActor:
         if self.model_cfg.gradient_checkpointing:
             _enable_checkpointing(self.model)
         self.model.train()
+        if actor.tree_training != "off":
+            enable_tree_attention(self.model)
         self.tree_unsupported = tree_supported(self.model)
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
@@ -255,6 +258,8 @@ class PPOActor:
                 self.device
             )
             self.ref_model.eval().requires_grad_(False)
+            if actor.tree_training != "off":
+                enable_tree_attention(self.ref_model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         kwargs: dict[str, Any] = {}
         if self.device.type == "cpu" or self.device.type == "cuda":

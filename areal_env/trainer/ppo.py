@@ -40,6 +40,7 @@ import torch
 
 from areal_env.api.config import ExperimentConfig, validate_config
 from areal_env.trainer import checkpoint as ckpt
+from areal_env.trainer import memory
 from areal_env.trainer.data import DataLoader
 from areal_env.trainer.stats import MetricsLogger, Progress, dump_records, plot_reward_curve
 
@@ -251,6 +252,7 @@ class PPOTrainer:
         try:
             while total is None or self.step < total:
                 t_step = time.perf_counter()
+                memory.reset_peak()
                 data_state: dict[str, Any] | None = None
                 if self.external:
                     try:
@@ -289,6 +291,7 @@ class PPOTrainer:
                 dumped_version = self.version
                 metrics: dict[str, Any] = dict(rstats)
                 metrics["time/rollout_s"] = t_rollout
+                metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
                 if batch is None or int(batch["loss_mask"].sum()) == 0:
                     logger.warning("step %d: every episode was rejected; update skipped", self.step)
                     metrics["actor/update_skipped"] = 1.0
@@ -317,6 +320,12 @@ class PPOTrainer:
                     metrics.update(await self._evaluate(eval_executor))
                 step_s = time.perf_counter() - t_step
                 metrics["time/step_s"] = step_s
+                # the update resets the high-water mark for its own figure: take the max
+                metrics["mem/peak_rss_gb"] = max(
+                    metrics["mem/rollout_peak_rss_gb"],
+                    float(metrics.get("mem/update_peak_rss_gb", 0.0)),
+                    memory.peak_rss_gb(),
+                )
                 metrics["version"] = self.version
                 if data_state is not None:
                     metrics["data/epoch"] = data_state["epoch"]

@@ -14,10 +14,16 @@ row is the one it shares with the row just before it (``lcp``). Walking the rows
 a row reuses the first ``lcp`` nodes of its predecessor's path and appends the rest as new nodes.
 Every node's ancestors come before it, and the node count is ``sum(len - lcp)``.
 
-Cost model: the linear layers scale with the node count, attention with the node count squared
-(the mask is dense), so a packed sequence is bounded by ``micro_batch_tokens`` nodes
-(:func:`tree_micro_batches`). The module is model-agnostic (it only calls the decoder with
-``input_ids``, ``position_ids`` and a 4-D mask), so a sharded (FSDP) module runs it unchanged.
+Attention: every node is *owned* by the row that added it, and a row's own nodes are contiguous.
+With the sdpa implementation (the default) the actor switches the model to a thin wrapper
+(:func:`enable_tree_attention`) that, when a tree forward passes ``tree_blocks``, cuts each row's
+own nodes into blocks of ``_BLOCK`` queries that attend to that row's path only (keys gathered by
+index, a causal mask per block), so attention costs about ``nodes x row length`` instead of
+``nodes^2`` of a dense tree mask; every other call goes to plain sdpa. Other implementations that
+take a 4-D mask (eager) get the dense ancestor mask. A packed sequence is bounded by
+``micro_batch_tokens`` nodes (:func:`tree_micro_batches`). The module only calls the decoder with
+``input_ids``, ``position_ids``, a mask and keyword arguments, so a sharded (FSDP) module runs it
+unchanged.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+TREE_ATTN = "areal_tree_sdpa"  # the sdpa wrapper registered with transformers
 # Attention implementations that accept an arbitrary 4-D mask from transformers.
-_MASK_IMPLS = {"sdpa": "bool", "eager": "additive"}
+_MASK_IMPLS = {"sdpa": "additive", "eager": "additive", TREE_ATTN: "blocks"}
+_BLOCK = 32  # queries per attention block
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -51,6 +59,7 @@ class PackedTree:
     position_ids: torch.Tensor  # [N] long
     paths: list[torch.Tensor]  # per row: [len] long node indices
     n_logical: int
+    owned_from: list[int]  # per row: its nodes from this depth on were added by it
 
     @property
     def n_nodes(self) -> int:
@@ -70,6 +79,110 @@ class PackedTree:
             mask[p[qi], p[ki]] = True
         return mask
 
+    def attention_blocks(self, block: int = _BLOCK) -> TreeBlocks:
+        """Query blocks over each row's own nodes, with that row's path as keys."""
+        q_rows: list[torch.Tensor] = []
+        k_rows: list[torch.Tensor] = []
+        depth0: list[int] = []
+        for path, k in zip(self.paths, self.owned_from, strict=True):
+            n = int(path.numel())
+            for j in range(k, n, block):
+                end = min(j + block, n)
+                q_rows.append(path[j:end])
+                k_rows.append(path[:end])
+                depth0.append(j)
+        nb = len(q_rows)
+        width = max(int(k.numel()) for k in k_rows)
+        q_idx = torch.zeros((nb, block), dtype=torch.long)
+        k_idx = torch.zeros((nb, width), dtype=torch.long)
+        allowed = torch.zeros((nb, block, width), dtype=torch.bool)
+        allowed[:, :, 0] = True  # padding queries attend somewhere (their output is dropped)
+        slot = torch.empty(self.n_nodes, dtype=torch.long)
+        ar_q = torch.arange(block)
+        ar_k = torch.arange(width)
+        for b, (q, k, d0) in enumerate(zip(q_rows, k_rows, depth0, strict=True)):
+            nq, nk = int(q.numel()), int(k.numel())
+            q_idx[b, :nq] = q
+            k_idx[b, :nk] = k
+            allowed[b, :nq] = (ar_k[None, :] <= (d0 + ar_q[:nq])[:, None]) & (ar_k < nk)
+            slot[q] = b * block + ar_q[:nq]
+        return TreeBlocks(q_idx, k_idx, allowed[:, None], slot)
+
+
+@dataclass
+class TreeBlocks:
+    """Index tensors for block tree attention (see the module docstring)."""
+
+    q_idx: torch.Tensor  # [nb, block] query node of each slot (0 = padding)
+    k_idx: torch.Tensor  # [nb, K] key nodes of each block (the owner row's path, padded)
+    allowed: torch.Tensor  # [nb, 1, block, K] bool
+    slot: torch.Tensor  # [N] flat slot of each node's query
+
+    def to(self, device: torch.device | str) -> TreeBlocks:
+        return TreeBlocks(
+            self.q_idx.to(device),
+            self.k_idx.to(device),
+            self.allowed.to(device),
+            self.slot.to(device),
+        )
+
+
+def block_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: TreeBlocks,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of packed nodes (``query`` [1, H, N, d], ``key``/``value`` [1, Hkv, N, d]) under
+    the tree mask, block by block; returns [1, N, H, d] like transformers' sdpa wrapper."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    q = query[0][:, blocks.q_idx].transpose(0, 1)  # [nb, H, block, d]
+    k = key[0][:, blocks.k_idx].transpose(0, 1)  # [nb, Hkv, K, d]
+    v = value[0][:, blocks.k_idx].transpose(0, 1)
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    bias = torch.zeros(blocks.allowed.shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~blocks.allowed, torch.finfo(q.dtype).min)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
+    nb, _, block, d = out.shape
+    flat = out.transpose(1, 2).reshape(nb * block, heads, d)
+    return flat[blocks.slot][None]
+
+
+def enable_tree_attention(model: torch.nn.Module) -> bool:
+    """Switch an sdpa model to the tree-aware sdpa wrapper (identical for every other call).
+
+    Returns False (and changes nothing) for other attention implementations.
+    """
+    cfg = getattr(model, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl == TREE_ATTN:
+        return True
+    if impl != "sdpa":
+        return False
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        blocks = kw.pop("tree_blocks", None)
+        if blocks is None:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
+            )
+        return block_tree_attention(query, key, value, blocks, scaling), None
+
+    AttentionInterface.register(TREE_ATTN, attention)
+    AttentionMaskInterface.register(TREE_ATTN, sdpa_mask)
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(TREE_ATTN)
+    else:
+        cfg._attn_implementation = TREE_ATTN
+    return getattr(cfg, "_attn_implementation", None) == TREE_ATTN
+
 
 def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
     """Pack token rows into a trie (see the module docstring for the layout)."""
@@ -80,6 +193,7 @@ def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
     order = sorted(range(len(rows)), key=lambda i: tuple(rows[i]))
     ids: list[int] = []
     pos: list[int] = []
+    owned = [0] * len(rows)
     paths: list[torch.Tensor | None] = [None] * len(rows)
     prev: Sequence[int] = ()
     prev_path: list[int] = []
@@ -91,12 +205,14 @@ def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
         ids.extend(int(t) for t in row[k:])
         pos.extend(range(k, len(row)))
         paths[i] = torch.tensor(path, dtype=torch.long)
+        owned[i] = k
         prev, prev_path = row, path
     return PackedTree(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(pos, dtype=torch.long),
         paths=[p for p in paths if p is not None],
         n_logical=sum(len(r) for r in rows),
+        owned_from=owned,
     )
 
 
@@ -194,15 +310,22 @@ def tree_token_logprobs(
     ids = tree.input_ids.to(device)[None]
     pos = tree.position_ids.to(device)[None]
     param_dtype = next(model.parameters()).dtype
-    mask = _model_mask(model, tree.ancestor_mask(device), param_dtype)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    extra: dict = {}
+    if _MASK_IMPLS.get(impl) == "blocks":
+        # the wrapper ignores the mask; a 4-D placeholder keeps transformers from building one
+        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        extra["tree_blocks"] = tree.attention_blocks().to(device)
+    else:
+        mask = _model_mask(model, tree.ancestor_mask(device), param_dtype)
     uniq, inv = torch.unique(src, return_inverse=True)
     if plain_head:
         hidden = model.get_decoder()(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **extra
         )[0]
         logits = model.get_output_embeddings()(hidden[0, uniq])
     else:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
         logits = out.logits[0, uniq]
     logits = logits.float()
     if temperature != 1.0:
@@ -223,5 +346,7 @@ __all__ = [
     "packed_size",
     "tree_micro_batches",
     "tree_supported",
+    "enable_tree_attention",
+    "block_tree_attention",
     "tree_token_logprobs",
 ]

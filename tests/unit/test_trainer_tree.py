@@ -9,7 +9,7 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.tree import pack_rows, packed_size, tree_micro_batches
+from areal_env.trainer.tree import TREE_ATTN, pack_rows, packed_size, tree_micro_batches
 
 # ---------------------------------------------------------------- packing (no model)
 
@@ -25,6 +25,17 @@ def test_pack_rows_shares_prefixes_and_keeps_row_order():
         assert tree.position_ids[path].tolist() == list(range(len(row)))
     assert tree.paths[1].tolist() == tree.paths[4].tolist()  # identical rows, identical nodes
     assert tree.paths[2][:4].tolist() == tree.paths[0].tolist()  # multi-turn: extends row 0
+    # every node is owned (added) by exactly one row, and attends to that row's path
+    blocks = tree.attention_blocks(block=2)
+    owned = torch.cat([p[k:] for p, k in zip(tree.paths, tree.owned_from, strict=True)])
+    assert sorted(owned.tolist()) == list(range(tree.n_nodes))
+    dense = tree.ancestor_mask()
+    flat_q = blocks.q_idx.flatten()
+    for node in range(tree.n_nodes):
+        b, i = divmod(int(blocks.slot[node]), 2)
+        assert int(flat_q[blocks.slot[node]]) == node
+        keys = blocks.k_idx[b][blocks.allowed[b, 0, i]]
+        assert sorted(keys.tolist()) == dense[node].nonzero().squeeze(-1).tolist()
 
 
 def test_ancestor_mask_matches_brute_force():
@@ -143,6 +154,14 @@ def test_tree_logprobs_equal_flat(actor, tokenizer):
     assert (tree - flat).abs().max() < 1e-4
     assert (small - flat).abs().max() < 1e-4
     assert (tree[~mask] == 0).all()
+    # the dense ancestor mask (plain sdpa, no block wrapper) gives the same numbers
+    assert actor.model.config._attn_implementation == TREE_ATTN
+    actor.model.set_attn_implementation("sdpa")
+    try:
+        dense = _logprobs(actor, batch, "on", 4096)
+    finally:
+        actor.model.set_attn_implementation(TREE_ATTN)
+    assert (dense - flat).abs().max() < 1e-4
 
 
 def _grads(actor, batch, mode, budget):

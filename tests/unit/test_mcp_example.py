@@ -56,9 +56,10 @@ def proxy_server(scripted_proxy):
     return scripted_proxy
 
 
-async def test_an_episode_of_the_example_config(repo, proxy_server):
-    from areal_env.aenv_agent import AenvAgent
-
+@pytest.mark.parametrize(
+    "workflow", ["areal_env.AenvAgent", "agents/openai_agents_runner.py:RunnerAgent"]
+)
+async def test_an_episode_of_the_example_config(workflow, repo, proxy_server):
     cfg = yaml.safe_load((EXAMPLE / "config.yaml").read_text())
     assert cfg["workflow"] == "areal_env.AenvAgent"
     kwargs = dict(cfg["workflow_kwargs"])
@@ -67,7 +68,8 @@ async def test_an_episode_of_the_example_config(repo, proxy_server):
         "args": [str(EXAMPLE / "serve_git.py"), str(repo)],
     }
     kwargs["reward_fn"] = str(EXAMPLE / "reward.py") + ":reward"
-    agent = AenvAgent(**kwargs)
+    spec = str(ROOT / workflow) if workflow.startswith("agents/") else workflow
+    agent = import_string(spec)(**kwargs)  # the README's override trains this one unchanged
     engine = proxy_server.state.engine
     engine.push(
         '<tool_call>[{"name": "git_log", "arguments": {"repo_path": "."}}]</tool_call>',

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO (health probes, weight pushes): only its warnings.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     module = importlib.import_module(module_for(name, rest))
     return int(module.main(rest) or 0)
 

@@ -282,6 +282,8 @@ class TrainerConfig:
     """Passes over the dataset when total_train_steps is not set."""
     save_freq_steps: int | None = None
     """Checkpoint every N steps (and always at the end). None = only at the end."""
+    keep_checkpoints: int | None = 2
+    """Newest checkpoints kept on disk (older ones are deleted); None = keep all."""
     recover: Literal["auto", "off"] = "auto"
     """auto = resume from the trial's last checkpoint if there is one; off = start fresh."""
     eval_freq_steps: int | None = None
@@ -300,6 +302,11 @@ class TrainerConfig:
             )
         if self.save_freq_steps is not None and self.save_freq_steps < 1:
             raise ConfigError(f"trainer.save_freq_steps={self.save_freq_steps!r} must be >= 1")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ConfigError(
+                f"trainer.keep_checkpoints={self.keep_checkpoints!r} must be >= 1 "
+                "(or null: keep every checkpoint)"
+            )
 
 
 @dataclass

@@ -58,6 +58,21 @@ class ServiceConfig:
     """Seconds ``POST /rl/v1/sessions`` waits for an admission slot before answering 429."""
     request_timeout: float = 3600.0
     """Read timeout of forwarded model calls (generation can be slow)."""
+    store: str | None = None
+    """Durable service state (keys, sessions, acknowledged trajectories): a SQLite file path
+    or ``sqlite:///path``, or ``postgresql://user:pass@host/db`` (``pip install
+    'areal-env[postgres]'``) for gateways on several hosts. None = ``RUN_DIR/service.db``."""
+    instance: str = "main"
+    """This gateway's name in a shared store: on start it fails only the sessions it left
+    open. Give each host sharing one PostgreSQL store its own name."""
+    tokens_per_minute: int | None = None
+    """Default per-key limit of tokens (prompt + completion) per minute; None = no limit."""
+    max_tokens_per_key: int | None = None
+    """Default per-key limit of tokens in total (kept across restarts); None = no limit."""
+    drain_timeout: float = 60.0
+    """On shutdown: seconds open sessions may still finish (and be kept) before the exit."""
+    drain_retry_after: float = 30.0
+    """Retry-After (seconds) of the 503 that refuses new sessions while shutting down."""
     ssl_keyfile: str | None = None
     """TLS private key (PEM) passed to uvicorn; with ``ssl_certfile`` the service speaks https."""
     ssl_certfile: str | None = None
@@ -78,9 +93,18 @@ class ServiceConfig:
             "health_timeout",
             "group_timeout",
             "admission_timeout",
+            "drain_retry_after",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"service.{name}={getattr(self, name)!r} must be > 0")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"service.drain_timeout={self.drain_timeout!r} must be >= 0")
+        for name in ("tokens_per_minute", "max_tokens_per_key"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"service.{name}={value!r} must be >= 1 (or null: no limit)")
+        if not self.instance or "/" in self.instance:
+            raise ConfigError(f"service.instance={self.instance!r} must be a non-empty name")
         if self.health_failures < 1:
             raise ConfigError(f"service.health_failures={self.health_failures!r} must be >= 1")
         if self.discount is not None and not (0.0 <= self.discount <= 1.0):

@@ -1,7 +1,12 @@
 """User API keys of the service: configured or issued, stored hashed, with per-key quotas.
 
-Keys are only ever kept as SHA-256 digests, so neither logs nor a memory dump of the registry
-reveal them; a short digest prefix (``key_id``) names a key in logs and metrics.
+Keys are only ever kept as SHA-256 digests (in memory and in the service store), so neither
+logs, a memory dump nor the database reveal them; a short digest prefix (``key_id``) names a key
+in logs, metrics and the admin API. Quotas per key: concurrent open sessions, tokens per minute
+(a sliding 60 s window) and total tokens (kept in the store, so a restart does not reset it).
+
+Mutating methods write through to the store and block: the gateway calls them through
+``asyncio.to_thread``. Lookups read memory only.
 """
 
 from __future__ import annotations
@@ -10,7 +15,12 @@ import hashlib
 import hmac
 import secrets
 import threading
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_env.service.store import KeyRecord, ServiceStore
 
 KEY_PREFIX = "ak-"
 
@@ -30,55 +40,187 @@ class UserKey:
     """First 12 hex digits of the key's digest: safe to log."""
     name: str | None
     max_sessions: int
+    tokens_per_minute: int | None = None
+    max_tokens: int | None = None
     open_sessions: int = 0
     issued: bool = False
+    revoked: bool = False
+    tokens_used: int = 0
+    digest: str = field(default="", repr=False)
+    window: deque = field(default_factory=deque, repr=False)
+    """(monotonic time, tokens) of the last 60 s."""
+
+    def tokens_last_minute(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        while self.window and now - self.window[0][0] > 60.0:
+            self.window.popleft()
+        return sum(t for _, t in self.window)
+
+    def describe(self) -> dict[str, Any]:
+        """Public view for the admin API (no digest, no key)."""
+        return {
+            "key_id": self.key_id,
+            "name": self.name,
+            "issued": self.issued,
+            "revoked": self.revoked,
+            "max_sessions": self.max_sessions,
+            "tokens_per_minute": self.tokens_per_minute,
+            "max_tokens": self.max_tokens,
+            "open_sessions": self.open_sessions,
+            "tokens_used": self.tokens_used,
+            "tokens_last_minute": self.tokens_last_minute(),
+        }
+
+    def record(self) -> KeyRecord:
+        return KeyRecord(
+            digest=self.digest,
+            key_id=self.key_id,
+            name=self.name,
+            max_sessions=self.max_sessions,
+            tokens_per_minute=self.tokens_per_minute,
+            max_tokens=self.max_tokens,
+            issued=self.issued,
+            revoked=self.revoked,
+            tokens_used=self.tokens_used,
+        )
 
 
 class QuotaExceededError(RuntimeError):
-    """The key already holds its maximum number of open sessions (HTTP 429)."""
+    """A per-key limit is reached (HTTP 429); ``retry_after`` seconds, when waiting helps."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class KeyStore:
     """Thread-safe registry of user keys (digest → ``UserKey``) and the admin key."""
 
     def __init__(
-        self, keys: list[str], *, admin_key: str | None = None, max_sessions_per_key: int = 64
+        self,
+        keys: list[str],
+        *,
+        admin_key: str | None = None,
+        max_sessions_per_key: int = 64,
+        tokens_per_minute: int | None = None,
+        max_tokens: int | None = None,
+        store: ServiceStore | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._keys: dict[str, UserKey] = {}
         self.max_sessions_per_key = max_sessions_per_key
+        self.tokens_per_minute = tokens_per_minute
+        self.max_tokens = max_tokens
+        self.store = store
         self.admin_key = admin_key or new_key()
         self._admin_digest = digest(self.admin_key)
+        if store is not None:
+            for rec in store.load_keys():
+                self._keys[rec.digest] = self._from_record(rec)
         for k in keys:
             self.add(k)
 
-    def add(self, key: str, *, name: str | None = None, max_sessions: int | None = None) -> UserKey:
-        d = digest(key)
-        user = UserKey(
-            key_id=d[:12],
-            name=name,
-            max_sessions=max_sessions or self.max_sessions_per_key,
+    @staticmethod
+    def _from_record(rec: KeyRecord) -> UserKey:
+        return UserKey(
+            key_id=rec.key_id,
+            name=rec.name,
+            max_sessions=rec.max_sessions,
+            tokens_per_minute=rec.tokens_per_minute,
+            max_tokens=rec.max_tokens,
+            issued=rec.issued,
+            revoked=rec.revoked,
+            tokens_used=rec.tokens_used,
+            digest=rec.digest,
         )
+
+    def add(
+        self,
+        key: str,
+        *,
+        name: str | None = None,
+        max_sessions: int | None = None,
+        tokens_per_minute: int | None = None,
+        max_tokens: int | None = None,
+        issued: bool = False,
+        persist: bool = True,
+    ) -> UserKey:
+        """Register ``key`` (a configured key keeps the limits of the ``service`` section)."""
+        d = digest(key)
         with self._lock:
             existing = self._keys.get(d)
             if existing is not None:
-                return existing
-            self._keys[d] = user
+                if not existing.issued and not issued:  # configured keys follow the config
+                    existing.max_sessions = max_sessions or self.max_sessions_per_key
+                    existing.tokens_per_minute = tokens_per_minute or self.tokens_per_minute
+                    existing.max_tokens = max_tokens or self.max_tokens
+                    existing.revoked = False
+                user = existing
+            else:
+                user = UserKey(
+                    key_id=d[:12],
+                    name=name,
+                    max_sessions=max_sessions or self.max_sessions_per_key,
+                    tokens_per_minute=tokens_per_minute or self.tokens_per_minute,
+                    max_tokens=max_tokens or self.max_tokens,
+                    issued=issued,
+                    digest=d,
+                )
+                self._keys[d] = user
+        if persist and self.store is not None:
+            self.store.upsert_key(user.record())
         return user
 
     def issue(
-        self, *, name: str | None = None, max_sessions: int | None = None
+        self,
+        *,
+        name: str | None = None,
+        max_sessions: int | None = None,
+        tokens_per_minute: int | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[str, UserKey]:
         key = new_key()
-        user = self.add(key, name=name, max_sessions=max_sessions)
-        user.issued = True
+        user = self.add(
+            key,
+            name=name,
+            max_sessions=max_sessions,
+            tokens_per_minute=tokens_per_minute,
+            max_tokens=max_tokens,
+            issued=True,
+        )
         return key, user
 
+    def revoke(self, key_id: str) -> UserKey | None:
+        with self._lock:
+            user = next((u for u in self._keys.values() if u.key_id == key_id), None)
+            if user is not None:
+                user.revoked = True
+        if user is not None and self.store is not None:
+            self.store.revoke_key(key_id)
+        return user
+
+    def list(self) -> list[UserKey]:
+        with self._lock:
+            return list(self._keys.values())
+
     def lookup(self, key: str | None) -> UserKey | None:
+        """The live key for ``key`` (None for unknown or revoked keys). Memory only."""
         if not key:
             return None
         with self._lock:
-            return self._keys.get(digest(key))
+            user = self._keys.get(digest(key))
+        return None if user is None or user.revoked else user
+
+    def reload(self, key: str) -> UserKey | None:
+        """Look ``key`` up in the store (issued by another gateway host sharing it). Blocks."""
+        if self.store is None or not key:
+            return None
+        rec = self.store.get_key(digest(key))
+        if rec is None or rec.revoked:
+            return None
+        with self._lock:
+            user = self._keys.setdefault(rec.digest, self._from_record(rec))
+        return user
 
     def is_admin(self, key: str | None) -> bool:
         return bool(key) and hmac.compare_digest(digest(key), self._admin_digest)
@@ -89,13 +231,43 @@ class KeyStore:
             if user.open_sessions >= user.max_sessions:
                 raise QuotaExceededError(
                     f"key {user.key_id} already has {user.open_sessions} open sessions "
-                    f"(quota {user.max_sessions}); finalize some first"
+                    f"(quota {user.max_sessions}); finalize some first",
+                    retry_after=5.0,
                 )
             user.open_sessions += 1
 
     def release(self, user: UserKey) -> None:
         with self._lock:
             user.open_sessions = max(0, user.open_sessions - 1)
+
+    def check_tokens(self, user: UserKey) -> None:
+        """Raise ``QuotaExceededError`` when ``user`` is past a token quota."""
+        with self._lock:
+            if user.max_tokens is not None and user.tokens_used >= user.max_tokens:
+                raise QuotaExceededError(
+                    f"key {user.key_id} used its {user.max_tokens} tokens "
+                    f"({user.tokens_used} used); ask the service admin for more"
+                )
+            if user.tokens_per_minute is not None:
+                now = time.monotonic()
+                used = user.tokens_last_minute(now)
+                if used >= user.tokens_per_minute:
+                    wait = 60.0 - (now - user.window[0][0]) if user.window else 1.0
+                    raise QuotaExceededError(
+                        f"key {user.key_id} used {used} tokens in the last minute "
+                        f"(quota {user.tokens_per_minute}/min)",
+                        retry_after=max(1.0, wait),
+                    )
+
+    def count_tokens(self, user: UserKey, tokens: int) -> None:
+        """Record ``tokens`` used by ``user`` (memory, then the store). Blocks."""
+        if tokens <= 0:
+            return
+        with self._lock:
+            user.tokens_used += tokens
+            user.window.append((time.monotonic(), tokens))
+        if self.store is not None:
+            self.store.add_key_usage(user.digest, tokens)
 
     def __len__(self) -> int:
         with self._lock:

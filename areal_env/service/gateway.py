@@ -6,13 +6,20 @@ session keys: the gateway substitutes them. Forwarding is a thin streaming pass-
 ``httpx`` (bodies and SSE streams are relayed chunk by chunk, never buffered); a generic reverse
 proxy library would not know how to swap keys per session, which is the one thing needed here.
 
-A model call names its session with the ``X-Areal-Session`` header (``AgentSession`` adds it),
-or, for agents that can set nothing but an API key, with the key ``USER_KEY:SESSION_ID``.
+A call names its session with the ``X-Areal-Session`` header (``AgentSession`` adds it), the
+session-scoped URL ``/s/{session_id}/...`` (any route below it: ``/s/ID/v1/chat/completions``,
+``/s/ID/rl/v1/finalize``), or, for agents that can set nothing but an API key, the key
+``USER_KEY:SESSION_ID``.
+
+Durable state (keys, sessions, acknowledged trajectories) lives in the service store
+(``store.py``); every store call runs in a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import json
 import logging
 import secrets
 import socket
@@ -31,6 +38,7 @@ from areal_env.api.service_config import ServiceConfig, is_loopback
 from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, BackendPool, NoBackendError
 from areal_env.service.client import SESSION_HEADER
+from areal_env.service.store import ServiceStore, SessionRecord, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +48,7 @@ _DROP_REQUEST_HEADERS = {
     "authorization",
     "x-api-key",
     SESSION_HEADER.lower(),
+    "x-areal-path-session",
     "connection",
     "keep-alive",
     "proxy-authorization",
@@ -60,16 +69,34 @@ _DROP_RESPONSE_HEADERS = {
     "server",
 }
 _TOMBSTONE_SECONDS = 600.0
+PATH_SESSION_HEADER = "x-areal-path-session"
+"""Set by ``SessionPathApp`` from ``/s/{id}/...`` URLs (never forwarded)."""
+RESTARTED = "the service restarted while the session was open; start a new session"
+_USAGE_HEAD = 8192
+_USAGE_TAIL = 65536
+_MODEL_POSTS = {
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+    "/v1/messages": ("max_tokens",),
+}
 
 
 class ServiceError(Exception):
     """An error answered to the client with ``status`` in the endpoint's own error format."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -78,7 +105,8 @@ class GatewaySession:
 
     id: str
     user: UserKey
-    backend: Backend
+    backend: Backend | None
+    """None for a session restored from the store (finished, or lost in a restart)."""
     backend_session_id: str
     session_key: str = field(repr=False)
     group_id: str | None = None
@@ -90,6 +118,10 @@ class GatewaySession:
     """open | finalizing | done | failed"""
     error: str | None = None
     inflight: int = 0
+    rewarded: bool = False
+    """A reward was set through the service (``AgentSession`` reads it on exit)."""
+    tokens: int = 0
+    """Tokens counted from answers' ``usage`` (reconciled with the export at finalize)."""
 
 
 def _error_body(path: str, status: int, message: str, kind: str) -> dict[str, Any]:
@@ -121,6 +153,71 @@ def _bearer(request: Request) -> str | None:
     return key.strip() if key else None
 
 
+def _usage_of(obj: Any) -> int:
+    """Tokens in one ``usage`` object (OpenAI chat/responses or Anthropic field names)."""
+    if not isinstance(obj, dict):
+        return 0
+    total = 0
+    for name in ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens"):
+        value = obj.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            total += value
+    return total
+
+
+def usage_tokens(content_type: str, head: bytes, tail: bytes) -> int:
+    """Tokens an answer reports in its ``usage`` (a JSON body, or the events of an SSE stream:
+    OpenAI's final chunk, Responses' ``response.completed``, Anthropic's ``message_start`` +
+    ``message_delta``). 0 when it reports none (the export reconciles at finalize)."""
+    if "text/event-stream" not in content_type:
+        try:
+            data = json.loads(head + tail if len(head) < _USAGE_HEAD else head)
+        except ValueError:
+            return 0
+        return _usage_of(data.get("usage")) if isinstance(data, dict) else 0
+    total = 0
+    seen: set[bytes] = set()
+    for chunk in (head, tail):
+        for line in chunk.split(b"\n"):
+            if not line.startswith(b"data:") or b"usage" not in line or line in seen:
+                continue
+            seen.add(line)
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if event.get("type") == "message_start":
+                total += _usage_of((event.get("message") or {}).get("usage"))
+            elif event.get("type") == "response.completed":
+                total += _usage_of((event.get("response") or {}).get("usage"))
+            else:
+                total += _usage_of(event.get("usage"))
+    return total
+
+
+class SessionPathApp:
+    """ASGI wrapper: ``/s/{session_id}/rest`` is served as ``/rest`` for that session, so an
+    agent that can only be given a base URL (any HTTP client, any language) names its session."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str) -> Any:  # routes, state, ... of the wrapped app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http" and scope.get("path", "").startswith("/s/"):
+            sid, slash, tail = scope["path"][3:].partition("/")
+            if sid and slash:
+                path = "/" + tail
+                headers = [h for h in scope["headers"] if h[0] != PATH_SESSION_HEADER.encode()]
+                headers.append((PATH_SESSION_HEADER.encode(), sid.encode()))
+                scope = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
+        await self.app(scope, receive, send)
+
+
 class Gateway:
     """State and logic of the gateway; ``app`` serves it. Runs on one event loop."""
 
@@ -134,17 +231,26 @@ class Gateway:
         export_style: str = "individual",
         keys: KeyStore | None = None,
         anonymous_sessions: bool = False,
+        store: ServiceStore | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         self.config = config
+        self.store = store if store is not None else open_store(config.store)
         configured = config.load_keys()
         self.keys = keys or KeyStore(
             configured,
             admin_key=config.admin_key,
             max_sessions_per_key=config.max_sessions_per_key,
+            tokens_per_minute=config.tokens_per_minute,
+            max_tokens=config.max_tokens_per_key,
+            store=self.store,
         )
         self.open_mode = not configured and keys is None
         if self.open_mode and not is_loopback(config.host):
             raise ValueError("refusing to serve a non-loopback address without user keys")
+        lost = self.store.fail_open_sessions(config.instance, RESTARTED)
+        if lost:
+            logger.warning("%d sessions open at the last shutdown are failed (%s)", lost, RESTARTED)
         self.pool = BackendPool(failures_to_down=config.health_failures)
         for base_url, admin_key in backends or []:
             self.pool.add(base_url, admin_key)
@@ -152,15 +258,23 @@ class Gateway:
         self.discount = config.discount if config.discount is not None else discount
         self.export_style = config.export_style or export_style
         self.anonymous_sessions = anonymous_sessions
+        self.max_new_tokens = max_new_tokens
+        """Cap (and default) of every model call's completion length: the trainer's
+        ``gconfig.max_new_tokens`` governs sampling, whatever an agent asks for."""
         self.sessions: dict[str, GatewaySession] = {}
+        self.draining = False
+        """Set on shutdown: new sessions get 503 + Retry-After; open ones may finish."""
         self.counters: dict[str, int] = {
             "sessions_started": 0,
             "sessions_finalized": 0,
             "sessions_failed": 0,
             "requests_forwarded": 0,
+            "rejected_draining": 0,
+            "rejected_quota": 0,
         }
         self._http: httpx.AsyncClient | None = None
-        self.app = self._build_app()
+        self._pending: set[asyncio.Task] = set()
+        self.app = SessionPathApp(self._build_app())
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -176,11 +290,35 @@ class Gateway:
         return self._http
 
     async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
             self._http = None
 
-    def _authenticate(self, request: Request) -> tuple[UserKey, str | None]:
+    def _background(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Run a blocking store call in a worker thread without waiting for it (state changes
+        that need no answer: failures, usage)."""
+
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(fn, *args, **kw)
+            except Exception as e:  # noqa: BLE001 - logged; the in-memory state is right
+                logger.warning("service store write failed: %s", e)
+
+        try:
+            task = asyncio.get_running_loop().create_task(run())
+        except RuntimeError:  # no loop (tests calling from a thread): write now
+            fn(*args, **kw)
+            return
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    @property
+    def open_sessions(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.state in ("open", "finalizing"))
+
+    async def _authenticate(self, request: Request) -> tuple[UserKey, str | None]:
         """The caller's key (→ user) and a session id carried in the key, if any."""
         token = _bearer(request)
         user = self.keys.lookup(token)
@@ -188,26 +326,59 @@ class Gateway:
         if user is None and token and ":" in token:
             key, _, session_in_key = token.rpartition(":")
             user = self.keys.lookup(key)
+            if user is None and not self.open_mode:
+                user = await asyncio.to_thread(self.keys.reload, key)
             token = key
+        elif user is None and token and not self.open_mode:
+            user = await asyncio.to_thread(self.keys.reload, token)
         if user is None and self.open_mode:
-            user = self.keys.add(token or "anonymous")
+            user = await asyncio.to_thread(self.keys.add, token or "anonymous")
         if user is None:
             raise ServiceError(
                 401,
-                "missing or invalid API key (send Authorization: Bearer <key>)",
+                "missing, invalid or revoked API key (send Authorization: Bearer <key>)",
                 "authentication_error",
             )
         return user, session_in_key or None
 
-    def _session(self, user: UserKey, session_id: str | None) -> GatewaySession:
+    async def _lookup(self, session_id: str) -> GatewaySession | None:
+        """A session from memory, or (after a restart) from the store as a closed record."""
+        sess = self.sessions.get(session_id)
+        if sess is not None:
+            return sess
+        rec = await asyncio.to_thread(self.store.get_session, session_id)
+        if rec is None:
+            return None
+        owner = next((u for u in self.keys.list() if u.digest == rec.key_digest), None)
+        if owner is None:
+            return None
+        state = rec.state if rec.state in ("done", "failed") else "failed"
+        sess = GatewaySession(
+            id=rec.id,
+            user=owner,
+            backend=None,
+            backend_session_id="",
+            session_key="",
+            group_id=rec.group_id,
+            task_id=rec.task_id,
+            metadata=rec.metadata,
+            state=state,
+            error=rec.error if state == rec.state else RESTARTED,
+            rewarded=rec.rewarded,
+        )
+        self.sessions[rec.id] = sess  # a tombstone, expired like any other
+        return sess
+
+    async def _session(self, user: UserKey, session_id: str | None) -> GatewaySession:
         if not session_id:
             raise ServiceError(
                 400,
-                f"no session: send the {SESSION_HEADER} header (or use the key "
-                "'<api_key>:<session_id>'); create one with POST /rl/v1/sessions",
+                f"no session: send the {SESSION_HEADER} header, use the session URL "
+                "'/s/<session_id>/v1' or the key '<api_key>:<session_id>'; create a session "
+                "with POST /rl/v1/sessions (AgentSession does all of this)",
             )
-        sess = self.sessions.get(session_id)
-        if sess is None or sess.user is not user:
+        sess = await self._lookup(session_id)
+        if sess is None or sess.user.digest != user.digest:
             raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
         if sess.state == "failed":
             # 410, not 503: the session is gone for good, and clients retry 503s
@@ -227,6 +398,7 @@ class Gateway:
         return (
             request.headers.get(SESSION_HEADER)
             or in_key
+            or request.headers.get(PATH_SESSION_HEADER)
             or ((body or {}).get("session_id") if isinstance(body, dict) else None)
         )
 
@@ -238,16 +410,19 @@ class Gateway:
         sess.error = reason
         sess.last_used = time.monotonic()
         self.keys.release(sess.user)
-        sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
+        if sess.backend is not None:
+            sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
 
-    def _fail_session(self, sess: GatewaySession, reason: str) -> None:
-        """Fail ``sess``: excluded from training (the source counts it; its group waits on)."""
+    def _fail_session(self, sess: GatewaySession, reason: str, *, retry: bool = True) -> None:
+        """Fail ``sess``: excluded from training (the source counts it; its group waits on
+        unless the client said it will not retry)."""
         if sess.state in ("done", "failed"):
             return
         self._release(sess, "failed", reason)
         self.counters["sessions_failed"] += 1
+        self._background(self.store.update_session, sess.id, "failed", reason)
         if self.source is not None and hasattr(self.source, "put_failed"):
-            self.source.put_failed(sess.group_id, reason)
+            self.source.put_failed(sess.group_id, reason, retry=retry)
 
     def _backend_down(self, backend: Backend, error: str, *, conclusive: bool) -> None:
         if self.pool.mark_failure(backend, error, conclusive=conclusive):
@@ -274,21 +449,37 @@ class Gateway:
             ) from e
 
     async def _session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
+        backend = sess.backend
+        assert backend is not None, "closed sessions have no backend"
         try:
             return await self.http.post(
-                sess.backend.base_url + path,
+                backend.base_url + path,
                 json=payload,
                 headers={"Authorization": f"Bearer {sess.session_key}"},
             )
         except httpx.TransportError as e:
             self._backend_down(
-                sess.backend,
+                backend,
                 f"{type(e).__name__} on {path}",
                 conclusive=isinstance(e, httpx.ConnectError),
             )
             raise ServiceError(
                 503, f"the backend of session {sess.id} is unreachable", "service_unavailable"
             ) from e
+
+    def _check_quota(self, user: UserKey) -> None:
+        try:
+            self.keys.check_tokens(user)
+        except QuotaExceededError as e:
+            self.counters["rejected_quota"] += 1
+            raise ServiceError(429, str(e), "rate_limit_error", retry_after=e.retry_after) from e
+
+    def _count_tokens(self, sess: GatewaySession | None, user: UserKey, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        if sess is not None:
+            sess.tokens += tokens
+        self._background(self.keys.count_tokens, user, tokens)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -299,11 +490,22 @@ class Gateway:
         group_id: str | None = None,
         task_id: str | None = None,
         metadata: dict | None = None,
+        persist: bool = True,
     ) -> GatewaySession:
+        if self.draining:
+            self.counters["rejected_draining"] += 1
+            raise ServiceError(
+                503,
+                "the service is shutting down and takes no new sessions; retry after it restarts",
+                "service_unavailable",
+                retry_after=self.config.drain_retry_after,
+            )
+        self._check_quota(user)
         try:
             self.keys.acquire(user)
         except QuotaExceededError as e:
-            raise ServiceError(429, str(e), "rate_limit_error") from e
+            self.counters["rejected_quota"] += 1
+            raise ServiceError(429, str(e), "rate_limit_error", retry_after=e.retry_after) from e
         admitted = False
         try:
             admit = getattr(self.source, "admit", None)
@@ -314,14 +516,31 @@ class Gateway:
                         "the trainer has enough rollouts in flight for its staleness bound; "
                         "retry after the next training step",
                         "rate_limit_error",
+                        retry_after=5.0,
                     )
                 admitted = True
-            return await self._start_on_backend(user, group_id, task_id, metadata or {})
+            sess = await self._start_on_backend(user, group_id, task_id, metadata or {})
         except BaseException:
             self.keys.release(user)
             if admitted:
                 self.source.release_admission()
             raise
+        if persist:
+            rec = SessionRecord(
+                id=sess.id,
+                key_digest=user.digest,
+                group_id=group_id,
+                task_id=task_id,
+                metadata=sess.metadata,
+                state="open",
+                owner=self.config.instance,
+            )
+            try:
+                await asyncio.to_thread(self.store.put_session, rec)
+            except BaseException:
+                self._fail_session(sess, "could not record the session")
+                raise
+        return sess
 
     async def _start_on_backend(
         self, user: UserKey, group_id: str | None, task_id: str | None, metadata: dict
@@ -329,7 +548,7 @@ class Gateway:
         try:
             candidates = self.pool.candidates()
         except NoBackendError as e:
-            raise ServiceError(503, str(e), "service_unavailable") from e
+            raise ServiceError(503, str(e), "service_unavailable", retry_after=5.0) from e
         payload = {"group_id": group_id, "task_id": task_id, "metadata": metadata}
         last: ServiceError | None = None
         for backend in candidates:
@@ -340,7 +559,10 @@ class Gateway:
                 continue
             if resp.status_code == 429:
                 last = ServiceError(
-                    429, "no rollout capacity right now; retry later", "rate_limit_error"
+                    429,
+                    "no rollout capacity right now; retry later",
+                    "rate_limit_error",
+                    retry_after=5.0,
                 )
                 continue
             if resp.status_code >= 400:
@@ -382,10 +604,23 @@ class Gateway:
             raise ServiceError(
                 resp.status_code, _backend_message(resp), _kind_for(resp.status_code)
             )
+        if not sess.rewarded:
+            sess.rewarded = True
+            await asyncio.to_thread(self.store.update_session, sess.id, rewarded=True)
         return {"session_id": sess.id, "completion_id": completion_id, "reward": float(reward)}
 
-    async def finalize(self, sess: GatewaySession, final_reward: float | None, status: str) -> dict:
-        """Reward, end, export and hand the trajectory to the source (or record a failure)."""
+    async def finalize(
+        self,
+        sess: GatewaySession,
+        final_reward: float | None,
+        status: str,
+        *,
+        retry: bool = True,
+    ) -> dict:
+        """Reward, end, export and hand the trajectory to the source (or record a failure).
+
+        The answer is 200 only once the trajectory is in the store: an acknowledged trajectory
+        survives any restart."""
         sess.state = "finalizing"
         reason = "finalized as failed by the client"
         try:
@@ -402,8 +637,9 @@ class Gateway:
                 msg = f"ending the session failed: {_backend_message(resp)}"
                 raise ServiceError(502, msg, "bad_gateway")
             if status != "ok":
-                self._fail_session(sess, reason)
+                self._fail_session(sess, reason, retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
+            assert sess.backend is not None
             payload = {
                 "session_id": sess.backend_session_id,
                 "discount": self.discount,
@@ -414,26 +650,37 @@ class Gateway:
                 raise ServiceError(502, f"export failed: {_backend_message(resp)}", "bad_gateway")
             export = resp.json()
             if not export.get("trajectories"):
-                self._fail_session(sess, "the session made no completions")
+                self._fail_session(sess, "the session made no completions", retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
+            record = dict(
+                export,
+                session_id=sess.id,
+                group_id=sess.group_id,
+                task_id=sess.task_id,
+                user=sess.user.key_id,
+                metadata=sess.metadata,
+                final_reward=final_reward,
+                status="ok",
+            )
+            self._reconcile_tokens(sess, export)
+            if self.source is not None:
+                await self.source.aput(record, sess.group_id)  # durable before the 200
+            else:
+                await asyncio.to_thread(self.store.update_session, sess.id, "done")
         except BaseException as e:
             if sess.state == "finalizing":
                 self._fail_session(sess, f"finalize failed: {e}")
+            if _is_source_closed(e):
+                raise ServiceError(
+                    503,
+                    "the service is shutting down and cannot keep this trajectory; "
+                    "run the episode again after it restarts",
+                    "service_unavailable",
+                    retry_after=self.config.drain_retry_after,
+                ) from e
             raise
         self._release(sess, "done")
         self.counters["sessions_finalized"] += 1
-        record = dict(
-            export,
-            session_id=sess.id,
-            group_id=sess.group_id,
-            task_id=sess.task_id,
-            user=sess.user.key_id,
-            metadata=sess.metadata,
-            final_reward=final_reward,
-            status="ok",
-        )
-        if self.source is not None:
-            self.source.put(record, sess.group_id)
         return {
             "session_id": sess.id,
             "status": "ok",
@@ -441,7 +688,41 @@ class Gateway:
             "num_rows": len(export["trajectories"]),
         }
 
+    def _reconcile_tokens(self, sess: GatewaySession, export: dict) -> None:
+        """Count the tokens the answers did not report (e.g. streams without usage)."""
+        total = 0
+        for it in export.get("interactions") or []:
+            for name in ("num_prompt_tokens", "num_output_tokens"):
+                value = it.get(name)
+                if isinstance(value, int):
+                    total += value
+        if total > sess.tokens:
+            self._count_tokens(sess, sess.user, total - sess.tokens)
+
     # -- forwarding ------------------------------------------------------------------------
+
+    def _capped_body(self, path: str, body: bytes) -> bytes:
+        """The request body with its completion length capped at ``max_new_tokens`` (and set
+        to it when the agent gave none)."""
+        fields = _MODEL_POSTS.get(path)
+        if self.max_new_tokens is None or fields is None or not body:
+            return body
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body  # the proxy answers the parse error in the protocol's own format
+        if not isinstance(data, dict):
+            return body
+        changed = False
+        present = [f for f in fields if isinstance(data.get(f), int)]
+        for name in present:
+            if data[name] > self.max_new_tokens:
+                data[name] = self.max_new_tokens
+                changed = True
+        if not present:
+            data[fields[0]] = self.max_new_tokens
+            changed = True
+        return json.dumps(data).encode() if changed else body
 
     async def forward(
         self,
@@ -450,6 +731,7 @@ class Gateway:
         backend: Backend,
         key: str,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        user: UserKey | None = None,
     ) -> Response:
         path = request.url.path
         url = backend.base_url + path
@@ -462,6 +744,8 @@ class Gateway:
         headers["x-api-key"] = key
         headers["accept-encoding"] = "identity"
         body = await request.body()
+        if request.method == "POST":
+            body = self._capped_body(path, body)
         upstream = self.http.build_request(request.method, url, headers=headers, content=body)
         if sess is not None:
             sess.inflight += 1
@@ -486,7 +770,9 @@ class Gateway:
         out_headers = {
             k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
         }
-
+        content_type = resp.headers.get("content-type", "")
+        head = bytearray()
+        tail = bytearray()
         closed = False
 
         async def done() -> None:
@@ -500,12 +786,19 @@ class Gateway:
                 sess.inflight -= 1
                 sess.last_used = time.monotonic()
             await resp.aclose()
+            if user is not None and resp.status_code < 400:
+                self._count_tokens(sess, user, usage_tokens(content_type, bytes(head), bytes(tail)))
             if on_close is not None:
                 await on_close()
 
         async def body_iter():
             try:
                 async for chunk in resp.aiter_raw():
+                    if len(head) < _USAGE_HEAD:
+                        head.extend(chunk[: _USAGE_HEAD - len(head)])
+                    tail.extend(chunk)
+                    if len(tail) > 2 * _USAGE_TAIL:
+                        del tail[:-_USAGE_TAIL]
                     yield chunk
             except httpx.TransportError as e:
                 logger.warning("stream from %s broke: %s", backend.name, type(e).__name__)
@@ -560,9 +853,13 @@ class Gateway:
 
         @app.exception_handler(ServiceError)
         async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+            headers = {}
+            if exc.retry_after is not None:
+                headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             return JSONResponse(
                 _error_body(request.url.path, exc.status, exc.message, exc.kind),
                 status_code=exc.status,
+                headers=headers,
             )
 
         async def json_body(request: Request) -> dict:
@@ -570,8 +867,6 @@ class Gateway:
             if not raw:
                 return {}
             try:
-                import json
-
                 data = json.loads(raw)
             except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
                 raise ServiceError(400, f"body is not valid JSON: {e}") from None
@@ -579,14 +874,19 @@ class Gateway:
                 raise ServiceError(400, "body must be a JSON object")
             return data
 
+        def require_admin(request: Request) -> None:
+            if not gw.keys.is_admin(_bearer(request)):
+                raise ServiceError(401, "admin key required", "authentication_error")
+
         @app.get("/health")
         async def health() -> dict:
             healthy = len(gw.pool.healthy())
-            return {"status": "ok" if healthy else "degraded", "backends_healthy": healthy}
+            status = "draining" if gw.draining else ("ok" if healthy else "degraded")
+            return {"status": status, "backends_healthy": healthy}
 
         @app.post("/rl/v1/sessions")
         async def create_session(request: Request) -> dict:
-            user, _ = gw._authenticate(request)
+            user, _ = await gw._authenticate(request)
             body = await json_body(request)
             group_id = body.get("group_id")
             task_id = body.get("task_id")
@@ -601,87 +901,133 @@ class Gateway:
             )
             return {"session_id": sess.id, "group_id": group_id, "task_id": task_id}
 
-        @app.get("/rl/v1/sessions/{session_id}")
-        async def session_status(session_id: str, request: Request) -> dict:
-            user, _ = gw._authenticate(request)
-            sess = gw.sessions.get(session_id)
-            if sess is None or sess.user is not user:
+        async def describe_session(session_id: str, request: Request) -> dict:
+            user, _ = await gw._authenticate(request)
+            sess = await gw._lookup(session_id)
+            if sess is None or sess.user.digest != user.digest:
                 raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
             return {
                 "session_id": sess.id,
                 "state": sess.state,
                 "error": sess.error,
+                "rewarded": sess.rewarded,
                 "group_id": sess.group_id,
                 "task_id": sess.task_id,
             }
 
+        @app.get("/rl/v1/sessions/{session_id}")
+        async def session_status(session_id: str, request: Request) -> dict:
+            return await describe_session(session_id, request)
+
+        @app.get("/rl/v1/session")
+        async def this_session(request: Request) -> dict:
+            """The session named by the header, key or ``/s/{id}`` URL."""
+            user, in_key = await gw._authenticate(request)
+            sid = gw._session_id(request, in_key)
+            if not sid:
+                raise ServiceError(400, "no session named")
+            return await describe_session(sid, request)
+
         @app.post("/rl/v1/set_reward")
         async def set_reward(request: Request) -> dict:
-            user, in_key = gw._authenticate(request)
+            user, in_key = await gw._authenticate(request)
             body = await json_body(request)
-            sess = gw._session(user, gw._session_id(request, in_key, body))
+            sess = await gw._session(user, gw._session_id(request, in_key, body))
             reward = _reward(body.get("reward"), "reward", required=True)
             completion_id = body.get("completion_id") or body.get("interaction_id")
             return await gw.set_reward(sess, reward, completion_id)
 
         @app.post("/rl/v1/finalize")
         async def finalize(request: Request) -> dict:
-            user, in_key = gw._authenticate(request)
+            user, in_key = await gw._authenticate(request)
             body = await json_body(request)
             sid = gw._session_id(request, in_key, body)
             status = body.get("status", "ok")
             if status not in ("ok", "failed"):
                 raise ServiceError(400, "status must be 'ok' or 'failed'")
+            retry = body.get("retry", True)
+            if not isinstance(retry, bool):
+                raise ServiceError(400, "retry must be true or false")
             final_reward = _reward(body.get("final_reward"), "final_reward", required=False)
-            existing = gw.sessions.get(sid) if sid else None
+            existing = await gw._lookup(sid) if sid else None
             if (
                 existing is not None
-                and existing.user is user
+                and existing.user.digest == user.digest
                 and existing.state == "failed"
                 and status == "failed"
             ):
+                if not retry and gw.source is not None and hasattr(gw.source, "abandon"):
+                    gw.source.abandon(existing.group_id)
                 return {"session_id": sid, "status": "failed", "reason": existing.error}
-            sess = gw._session(user, sid)
-            return await gw.finalize(sess, final_reward, status)
+            sess = await gw._session(user, sid)
+            return await gw.finalize(sess, final_reward, status, retry=retry)
 
         @app.post("/admin/keys")
         async def issue_key(request: Request) -> dict:
-            if not gw.keys.is_admin(_bearer(request)):
-                raise ServiceError(401, "admin key required", "authentication_error")
+            require_admin(request)
             body = await json_body(request)
-            max_sessions = body.get("max_sessions")
-            if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
-                raise ServiceError(400, "max_sessions must be a positive integer")
-            key, user = gw.keys.issue(name=body.get("name"), max_sessions=max_sessions)
+            limits: dict[str, int | None] = {}
+            for name in ("max_sessions", "tokens_per_minute", "max_tokens"):
+                value = body.get(name)
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1
+                ):
+                    raise ServiceError(400, f"{name} must be a positive integer")
+                limits[name] = value
+            name = body.get("name")
+            if name is not None and not isinstance(name, str):
+                raise ServiceError(400, "name must be a string")
+            key, user = await asyncio.to_thread(gw.keys.issue, name=name, **limits)
             logger.info("issued user key %s (%s)", user.key_id, user.name or "unnamed")
-            return {"api_key": key, "key_id": user.key_id, "max_sessions": user.max_sessions}
+            return {"api_key": key, **user.describe()}
+
+        @app.get("/admin/keys")
+        async def list_keys(request: Request) -> dict:
+            require_admin(request)
+            return {"keys": [u.describe() for u in gw.keys.list()]}
+
+        @app.delete("/admin/keys/{key_id}")
+        async def revoke_key(key_id: str, request: Request) -> dict:
+            require_admin(request)
+            user = await asyncio.to_thread(gw.keys.revoke, key_id)
+            if user is None:
+                raise ServiceError(404, f"unknown key {key_id!r}", "not_found_error")
+            logger.info("revoked user key %s", key_id)
+            return user.describe()
 
         @app.get("/admin/status")
         async def admin_status(request: Request) -> dict:
-            if not gw.keys.is_admin(_bearer(request)):
-                raise ServiceError(401, "admin key required", "authentication_error")
+            require_admin(request)
             states: dict[str, int] = {}
             for s in gw.sessions.values():
                 states[s.state] = states.get(s.state, 0) + 1
-            return {
+            out = {
+                "draining": gw.draining,
                 "backends": [b.describe() for b in gw.pool.all()],
                 "sessions": states,
                 "counters": dict(gw.counters),
+                "keys": [u.describe() for u in gw.keys.list()],
             }
+            describe = getattr(gw.source, "describe", None)
+            if describe is not None:
+                out["trajectories"] = describe()
+            return out
 
         @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def model_call(path: str, request: Request) -> Response:
-            user, in_key = gw._authenticate(request)
+            user, in_key = await gw._authenticate(request)
             sid = gw._session_id(request, in_key)
             if sid is None and (
                 path == "models" or path.startswith("models/") or gw.anonymous_sessions
             ):
                 return await gw.forward_sessionless(request, user)
-            sess = gw._session(user, sid)
-            if not sess.backend.healthy:
-                gw._fail_session(sess, f"its backend {sess.backend.name} went down")
-                gw._session(user, sid)  # raises the 503
-            return await gw.forward(request, sess, sess.backend, sess.session_key)
+            sess = await gw._session(user, sid)
+            gw._check_quota(user)
+            if sess.backend is None or not sess.backend.healthy:
+                gw._fail_session(sess, "its backend went down")
+                await gw._session(user, sid)  # raises the 503
+            assert sess.backend is not None
+            return await gw.forward(request, sess, sess.backend, sess.session_key, user=user)
 
         return app
 
@@ -693,7 +1039,8 @@ class Gateway:
             except NoBackendError as e:
                 raise ServiceError(503, str(e), "service_unavailable") from e
             return await self.forward(request, None, backend, backend.admin_key)
-        sess = await self.start_session(user)
+        self._check_quota(user)
+        sess = await self.start_session(user, persist=False)
 
         async def close() -> None:
             try:
@@ -704,11 +1051,17 @@ class Gateway:
             self.sessions.pop(sess.id, None)
 
         try:
-            return await self.forward(request, sess, sess.backend, sess.session_key, on_close=close)
+            return await self.forward(
+                request, sess, sess.backend, sess.session_key, on_close=close, user=user
+            )
         except BaseException:
             self._release(sess, "failed", "request failed")
             self.sessions.pop(sess.id, None)
             raise
+
+
+def _is_source_closed(exc: BaseException) -> bool:
+    return type(exc).__name__ == "SourceClosedError"
 
 
 def _reward(value: Any, name: str, *, required: bool) -> float | None:
@@ -737,6 +1090,31 @@ def _backend_message(resp: httpx.Response) -> str:
     return f"backend answered {resp.status_code}"
 
 
+class PortInUseError(OSError):
+    """The configured port is taken (raised before anything heavy is loaded)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` with TCP_NODELAY; a clear error when the
+    port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise PortInUseError(
+                e.errno,
+                f"cannot listen on {host}:{port} ({e.strerror}): another program uses the port; "
+                "choose another with --port N or service.port=N (0 = any free port)",
+            ) from e
+        raise
+    return sock
+
+
 class GatewayServer:
     """Runs a ``Gateway`` under uvicorn in a daemon thread with its own event loop."""
 
@@ -749,6 +1127,8 @@ class GatewayServer:
         discount: float = 1.0,
         export_style: str = "individual",
         anonymous_sessions: bool = False,
+        store: ServiceStore | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         self.config = config or ServiceConfig()
         self.gateway = Gateway(
@@ -758,15 +1138,18 @@ class GatewayServer:
             discount=discount,
             export_style=export_style,
             anonymous_sessions=anonymous_sessions,
+            store=store,
+            max_new_tokens=max_new_tokens,
         )
         self._thread: threading.Thread | None = None
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        self._sock: socket.socket | None = None
         self.port: int | None = None
 
     @property
-    def app(self) -> FastAPI:
+    def app(self) -> Any:
         return self.gateway.app
 
     @property
@@ -786,14 +1169,36 @@ class GatewayServer:
     def add_backend(self, base_url: str, admin_key: str, name: str | None = None) -> Backend:
         return self.gateway.pool.add(base_url, admin_key, name)
 
+    def bind(self) -> GatewayServer:
+        """Take the port now (``PortInUseError`` if taken), serve it later with ``start``."""
+        if self._sock is None:
+            self._sock = bind_socket(self.config.host, self.config.port)
+            self.port = self._sock.getsockname()[1]
+        return self
+
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn`` on the gateway's event loop (state is owned by that loop) and return."""
+        if self._loop is None:
+            return fn()
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def drain(self) -> None:
+        """Take no new sessions (503 + Retry-After); open ones may finish."""
+        self.call(lambda: setattr(self.gateway, "draining", True))
+
+    @property
+    def open_sessions(self) -> int:
+        return int(self.call(lambda: self.gateway.open_sessions))
+
     def start(self, timeout: float = 30.0) -> GatewayServer:
         import uvicorn
 
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
-        self.port = sock.getsockname()[1]
+        self.bind()
+        sock = self._sock
         uv_config = uvicorn.Config(
             self.app,
             log_level="warning",
@@ -822,6 +1227,7 @@ class GatewayServer:
             except BaseException as e:  # surfaced by start()
                 self._error = e
             finally:
+                self._loop = None
                 ready.set()
 
         self._thread = threading.Thread(target=run, name="areal-gateway", daemon=True)
@@ -842,6 +1248,9 @@ class GatewayServer:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        elif self._sock is not None:  # bound but never served
+            self._sock.close()
+        self._sock = None
 
     def __enter__(self) -> GatewayServer:
         return self.start()

@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +104,27 @@ def create_engine(cfg: ExperimentConfig) -> Any:
     return factory(cfg)
 
 
+def resume_point(cfg: ExperimentConfig) -> tuple[int, int]:
+    """``(step, version)`` the trainer will resume from (``trainer.recover``), read from the
+    newest checkpoint without loading it."""
+    if cfg.trainer.recover != "auto":
+        return 0, 0
+    from areal_env.trainer.checkpoint import latest_checkpoint, load_trainer_state
+
+    found = latest_checkpoint(cfg.run_dir / "checkpoints")
+    if found is None:
+        return 0, 0
+    state = load_trainer_state(found)
+    step = int(state["step"])
+    return step, int(state.get("version", step))
+
+
 class TrainingService(ServiceStack):
-    """Engine + proxies + gateway + trajectory source, started and stopped together."""
+    """Store + trajectory source + gateway + engine + proxies, started and stopped together.
+
+    The gateway's port is taken first (a busy port fails before the model loads), and the
+    source reloads every acknowledged trajectory the store holds before agents connect.
+    """
 
     def __init__(
         self, cfg: ExperimentConfig, service: ServiceConfig, *, engine: Any = None
@@ -115,31 +136,49 @@ class TrainingService(ServiceStack):
         self.proxies: list[Any] = []
         self.gateway: Any = None
         self.source: Any = None
+        self.store: Any = None
+        self.resumed_step = 0
 
     def _start_parts(self) -> None:
         from areal_env.proxy.server import ProxyServer
         from areal_env.service.gateway import GatewayServer
         from areal_env.service.source import ExternalTrajectorySource
+        from areal_env.service.store import open_store, redact_url
 
-        if self.engine is None:
-            self.engine = create_engine(self.cfg)
-            self.engine.initialize()
-        tokenizer = _tokenizer_of(self.engine, self.cfg)
-        for _ in range(self.service.num_proxies):
-            pcfg = dataclasses.replace(self.cfg.proxy, host="127.0.0.1", port=0)
-            self.proxies.append(ProxyServer(self.engine, tokenizer, pcfg).start())
+        self.store = open_store(self.service.store, self.cfg.run_dir)
+        logger.info("service store: %s", redact_url(self.store.url))
         self.source = ExternalTrajectorySource(
             self.cfg.rollout,
             group_timeout=self.service.group_timeout,
             admission_control=self.service.admission_control,
+            store=self.store,
         )
         self.gateway = GatewayServer(
             self.service,
-            backends=[(p.base_url, p.admin_key) for p in self.proxies],
             source=self.source,
             discount=self.cfg.rollout.discount,
             export_style=self.cfg.rollout.export_style,
-        ).start()
+            store=self.store,
+            max_new_tokens=self.cfg.gconfig.max_new_tokens,
+        ).bind()
+        step, version = resume_point(self.cfg)
+        self.resumed_step = step
+        self.source.load(step, trainer_version=version)
+        if self.engine is None:
+            self.engine = create_engine(self.cfg)
+            self.engine.initialize()
+        tokenizer = _tokenizer_of(self.engine, self.cfg)
+        model_name = (
+            self.cfg.proxy.model_name or f"{self.cfg.experiment_name}/{self.cfg.trial_name}"
+        )
+        for _ in range(self.service.num_proxies):
+            pcfg = dataclasses.replace(
+                self.cfg.proxy, host="127.0.0.1", port=0, model_name=model_name
+            )
+            proxy = ProxyServer(self.engine, tokenizer, pcfg).start()
+            self.proxies.append(proxy)
+            self.gateway.add_backend(proxy.base_url, proxy.admin_key)
+        self.gateway.start()
 
     def _stop_backends(self) -> None:
         if self.source is not None:
@@ -148,44 +187,122 @@ class TrainingService(ServiceStack):
             p.stop()
         self.proxies = []
 
+    def stop(self) -> None:
+        super().stop()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> Any:
+    """``PPOTrainer`` on the service's source and engine that tells the source which step each
+    batch is for, and commits consumed trajectories whenever a checkpoint is saved."""
+    from areal_env.trainer.ppo import PPOTrainer
+
+    source = svc.source
+
+    class ServiceTrainer(PPOTrainer):
+        async def _external_batch(self, prefetch: bool) -> tuple[Any, dict[str, Any]]:
+            return await source.rollout_batch(
+                None, trainer_version=self.version, step=self.step + 1
+            )
+
+        def _save_checkpoint(self) -> Path:
+            path = super()._save_checkpoint()
+            source.commit(self.step)
+            return path
+
+    return ServiceTrainer(cfg, executor=source, engine=svc.engine)
+
+
+class _Shutdown:
+    """Signal handling: the first SIGINT/SIGTERM drains, a second one exits within 5 s."""
+
+    def __init__(self, task: asyncio.Task, svc: TrainingService) -> None:
+        self.task = task
+        self.svc = svc
+        self.count = 0
+        self.requested = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            print(
+                "shutting down: no new sessions; the current step finishes and is checkpointed, "
+                f"open sessions may finish for up to {self.svc.service.drain_timeout:.0f} s "
+                "(Ctrl-C again to exit now)",
+                flush=True,
+            )
+            self.svc.gateway.drain()
+            self.svc.source.close()
+            self.requested.set()
+        else:
+            print("exiting now", flush=True)
+            self.task.cancel()
+            self.requested.set()
+            # A step in a worker thread cannot be cancelled: leave anyway. The store is
+            # transactional, so nothing acknowledged is lost.
+            killer = threading.Timer(4.0, os._exit, args=(130,))
+            killer.daemon = True
+            killer.start()
+
+
+async def _drain(svc: TrainingService, shutdown: _Shutdown | None) -> None:
+    """Let open sessions finish (their trajectories are stored) up to ``drain_timeout``."""
+    svc.gateway.drain()
+    deadline = time.monotonic() + svc.service.drain_timeout
+    last_print = 0.0
+    while True:
+        left = await asyncio.to_thread(lambda: svc.gateway.open_sessions)
+        remaining = deadline - time.monotonic()
+        if left == 0 or remaining <= 0 or (shutdown is not None and shutdown.count > 1):
+            break
+        if time.monotonic() - last_print >= 5.0:
+            print(
+                f"draining: {left} open sessions may still finish ({remaining:.0f} s left)",
+                flush=True,
+            )
+            last_print = time.monotonic()
+        await asyncio.sleep(0.5)
+    if left:
+        print(f"drain deadline reached: {left} open sessions are dropped", flush=True)
+    else:
+        print("drained: every open session finished", flush=True)
+
 
 async def _train(cfg: ExperimentConfig, svc: TrainingService) -> dict[str, Any] | None:
     """``PPOTrainer`` on the service's trajectory source and engine, until ``total_train_steps``
-    or a signal: the first SIGINT/SIGTERM closes the source (the current step finishes and is
-    checkpointed), a second one cancels at once. Returns the final metrics (None if cancelled).
-    """
-    from areal_env.trainer.ppo import PPOTrainer
-
-    trainer = PPOTrainer(cfg, executor=svc.source, engine=svc.engine)
+    or a signal (see ``_Shutdown``); then the gateway drains. Returns the final metrics (None if
+    cancelled)."""
+    trainer = _service_trainer(cfg, svc)
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(trainer.atrain())
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            logger.info("interrupted: finishing the current step, then shutting down")
-            svc.source.close()
-        else:
-            task.cancel()
-
+    shutdown = _Shutdown(task, svc)
     installed = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, shutdown)
             installed.append(sig)
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
     try:
-        return await task
-    except asyncio.CancelledError:
-        logger.info("interrupted: shutting down")
-        return None
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            logger.info("interrupted: shutting down")
+            return None
+        finally:
+            trainer.close()  # metrics files; the engine stays with the service
+        if result is not None:
+            print(
+                f"training finished: step {result.get('step')}, version {result.get('version')}",
+                flush=True,
+            )
+        await _drain(svc, shutdown)
+        return result
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
-        trainer.close()  # metrics files; the engine stays with the service
 
 
 def _write_secret(path: Path, value: str) -> None:
@@ -195,22 +312,60 @@ def _write_secret(path: Path, value: str) -> None:
         f.write(value + "\n")
 
 
+def _admin_key(cfg: ExperimentConfig, service: ServiceConfig) -> ServiceConfig:
+    """The configured admin key, else the one a previous start wrote to the run dir (keys
+    survive restarts), else a new one written there (mode 0600)."""
+    if service.admin_key is not None:
+        return service
+    from areal_env.service.auth import new_key
+
+    path = cfg.run_dir / "service_admin_key"
+    key = path.read_text().strip() if path.is_file() else ""
+    if not key:
+        key = new_key()
+        _write_secret(path, key)
+    return dataclasses.replace(service, admin_key=key)
+
+
+def finished_message(cfg: ExperimentConfig) -> str | None:
+    """Why starting is pointless: the trial already trained ``total_train_steps``."""
+    total = cfg.trainer.total_train_steps
+    if total is None:
+        return None
+    step, _ = resume_point(cfg)
+    if step < total:
+        return None
+    return (
+        f"trial {cfg.experiment_name}/{cfg.trial_name} already finished: it trained {step} of "
+        f"trainer.total_train_steps={total} steps ({cfg.run_dir}). Give a new trial_name=..., "
+        "raise trainer.total_train_steps to continue, or serve the result with "
+        f"`areal-env serve --experiment {cfg.experiment_name} --trial {cfg.trial_name}`"
+    )
+
+
 async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
-    svc = await asyncio.to_thread(TrainingService(cfg, service).start)
+    from areal_env.service.gateway import PortInUseError
+
+    done = finished_message(cfg)
+    if done is not None:
+        print(f"areal-env serve-training: {done}", file=sys.stderr, flush=True)
+        return 2
+    service = _admin_key(cfg, service)
     try:
-        if service.admin_key is None:
-            key_path = cfg.run_dir / "service_admin_key"
-            _write_secret(key_path, svc.gateway.admin_key)
+        svc = await asyncio.to_thread(TrainingService(cfg, service).start)
+    except PortInUseError as e:
+        print(f"areal-env serve-training: {e.strerror}", file=sys.stderr, flush=True)
+        return 2
+    try:
         print(LISTENING.format(url=svc.base_url), flush=True)
-        if service.admin_key is None:
-            print(f"service admin key (issues user keys) written to {key_path}", flush=True)
+        if cfg.service.admin_key is None and service.admin_key is not None:
+            print(
+                f"service admin key (issues user keys) in {cfg.run_dir / 'service_admin_key'}",
+                flush=True,
+            )
         if svc.gateway.gateway.open_mode:
             print("no user keys configured: any API key is accepted (loopback only)", flush=True)
-        result = await _train(cfg, svc)
-        if result is not None:
-            logger.info(
-                "training finished: step %s, version %s", result.get("step"), result.get("version")
-            )
+        await _train(cfg, svc)
         return 0
     finally:
         await asyncio.to_thread(svc.stop)
@@ -226,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value (e.g. service.port=8000)")
     p.add_argument("--host", help="shortcut for service.host")
     p.add_argument("--port", type=int, help="shortcut for service.port")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).is_file():
         overrides.insert(0, config)
@@ -240,7 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-env serve-training: {e}", file=sys.stderr)
         return 2
+    quiet_http_logs()
     return asyncio.run(serve_training(cfg, service))
+
+
+def quiet_http_logs() -> None:
+    """httpx logs every request at INFO (health probes every few seconds per proxy): WARNING."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

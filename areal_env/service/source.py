@@ -9,6 +9,12 @@ is complete once ``n_samples`` successful trajectories arrived (failed sessions 
 client may retry them). Sessions without a group id are grouped in arrival order. A group that
 waits longer than ``group_timeout`` for members is used as it is. Waiting never polls: waiters
 sleep on an ``asyncio.Event`` that ``put`` sets thread-safely.
+
+Durability (with a ``store``): ``aput`` writes the trajectory to the store before the gateway
+acknowledges it; ``rollout_batch`` marks what it hands out as consumed at that step; ``commit``
+(a checkpoint was saved) makes that final; ``load`` (on start) rebuilds the groups from what is
+not consumed yet, after handing back what was consumed after the restored checkpoint. So each
+acknowledged trajectory is trained exactly once across restarts, SIGKILL included.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -43,6 +50,8 @@ class Trajectory:
     num_tokens: int
     record: dict[str, Any]
     """The raw export (plus gateway metadata), kept for trajectory dumps."""
+    row_id: int | None = None
+    """Its row in the service store (None without a store)."""
 
 
 @dataclass
@@ -51,6 +60,8 @@ class _Group:
     created: float = field(default_factory=time.monotonic)
     members: list[Trajectory] = field(default_factory=list)
     failed: int = 0
+    abandoned: int = 0
+    """Members that failed and will not be retried: the group stops waiting for them."""
 
 
 def _row_versions(row: dict[str, Any]) -> list[int]:
@@ -149,6 +160,7 @@ class ExternalTrajectorySource:
         max_head_offpolicyness: int | None = None,
         group_timeout: float = 1800.0,
         admission_control: bool = False,
+        store: Any | None = None,
     ) -> None:
         self.n_samples = int(n_samples or getattr(rollout, "n_samples", 1))
         self.batch_size = int(batch_size or getattr(rollout, "batch_size", 1))
@@ -160,6 +172,12 @@ class ExternalTrajectorySource:
         self._open: dict[str, _Group] = {}
         self._auto: _Group | None = None
         self._auto_ids = itertools.count()
+        self._auto_tag = secrets.token_hex(3)  # auto-group keys stay unique across restarts
+        self.store = store
+        self._step = 0
+        """The trainer step the next batch is for (``load`` sets where training resumes)."""
+        self._stale_on_load = 0
+        self.total_reloaded = 0
         self._ready: deque[_Group] = deque()
         self._traj_ids = itertools.count()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -177,26 +195,67 @@ class ExternalTrajectorySource:
     # -- producer side (any thread) --------------------------------------------------------
 
     def put(self, trajectory: dict[str, Any], group_id: str | None = None) -> None:
-        """Add one finished session's export (``{"trajectories": {row_id: row}, ...}``)."""
+        """Add one finished session's export (``{"trajectories": {row_id: row}, ...}``) to
+        memory only (``aput`` also makes it durable)."""
         with self._lock:
             if self._closed:
                 raise SourceClosedError("the trajectory source is closed")
-            group = self._group_for(group_id)
-            try:
-                traj = _to_trajectory(next(self._traj_ids), group.key, trajectory)
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("dropping an unusable trajectory of group %s: %s", group.key, e)
-                self._invalid_since_batch += 1
-                return
-            group.members.append(traj)
-            self.total_received += 1
-            if len(group.members) >= self.n_samples:
-                self._complete(group)
+            self._add(trajectory, group_id, None)
         self._wake()
 
-    def put_failed(self, group_id: str | None = None, reason: str = "") -> None:
-        """Record a failed session (excluded from training; its group keeps waiting, and its
-        admission slot is given back)."""
+    async def aput(self, trajectory: dict[str, Any], group_id: str | None = None) -> None:
+        """``put``, after writing the trajectory to the store (in a worker thread): once this
+        returns, no restart loses it. After ``close`` a trajectory is still stored (it is
+        trained after the next start); without a store it is refused (``SourceClosedError``)."""
+        if self.store is None:
+            self.put(trajectory, group_id)
+            return
+        session_id = str(trajectory.get("session_id") or f"anon-{secrets.token_hex(8)}")
+        # Stored under its group id ("" = grouped in arrival order, also after a restart).
+        row_id = await asyncio.to_thread(
+            self.store.add_trajectory, session_id, group_id or "", trajectory
+        )
+        with self._lock:
+            if self._closed:
+                logger.info("trajectory of session %s kept for the next start", session_id)
+                return
+            self._add(trajectory, group_id, row_id)
+        self._wake()
+
+    def _add(self, trajectory: dict[str, Any], group_id: str | None, row_id: int | None) -> None:
+        """Add to its group (lock held)."""
+        group = self._group_for(group_id)
+        try:
+            traj = _to_trajectory(next(self._traj_ids), group.key, trajectory)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("dropping an unusable trajectory of group %s: %s", group.key, e)
+            self._invalid_since_batch += 1
+            if row_id is not None and self.store is not None:
+                self.store.drop_trajectories([row_id], self._step, "invalid")
+            return
+        traj.row_id = row_id
+        group.members.append(traj)
+        self.total_received += 1
+        self._maybe_complete(group)
+
+    def _maybe_complete(self, group: _Group) -> None:
+        if len(group.members) + group.abandoned >= self.n_samples:
+            if group.members:
+                self._complete(group)
+            else:  # every member gave up: nothing to train on
+                self._drop_group(group)
+
+    def _drop_group(self, group: _Group) -> None:
+        if self._auto is group:
+            self._auto = None
+        else:
+            self._open.pop(group.key, None)
+
+    def put_failed(
+        self, group_id: str | None = None, reason: str = "", *, retry: bool = True
+    ) -> None:
+        """Record a failed session (excluded from training; its admission slot is given back).
+        Its group keeps waiting for a retry, unless ``retry`` is False (the client gave up)."""
         with self._lock:
             self.total_failed += 1
             self._failed_since_batch += 1
@@ -204,7 +263,90 @@ class ExternalTrajectorySource:
             if group_id is not None and group_id in self._open:
                 self._open[group_id].failed += 1
         logger.info("external session of group %s failed: %s", group_id, reason or "no reason")
+        if not retry:
+            self.abandon(group_id)
         self._wake()
+
+    def abandon(self, group_id: str | None) -> None:
+        """One member of ``group_id`` will never come: the group completes without it."""
+        if group_id is None:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            group = self._open.get(group_id)
+            if group is None:
+                group = self._open[group_id] = _Group(key=group_id)
+            group.abandoned += 1
+            self._maybe_complete(group)
+        self._wake()
+
+    # -- durability ------------------------------------------------------------------------
+
+    def load(self, restored_step: int, trainer_version: int | None = None) -> int:
+        """On start (before agents connect): hand back what was consumed after the checkpoint
+        at ``restored_step`` and rebuild the groups from every stored, unconsumed trajectory.
+        Returns how many were reloaded. Blocks (call it from a thread)."""
+        if self.store is None:
+            self._step = restored_step
+            return 0
+        committed, returned = self.store.restore_to(restored_step)
+        stored = self.store.pending_trajectories()
+        now_wall, now_mono = time.time(), time.monotonic()
+        with self._lock:
+            self._step = restored_step
+            for st in stored:
+                group = self._group_for(st.group_key or None)
+                if not group.members:  # its wait counts from its first member's arrival
+                    group.created = now_mono - max(0.0, now_wall - st.created)
+                try:
+                    traj = _to_trajectory(next(self._traj_ids), group.key, st.record)
+                except (KeyError, TypeError, ValueError) as e:
+                    logger.warning("stored trajectory %s is unusable: %s", st.session_id, e)
+                    self.store.drop_trajectories([st.row_id], restored_step, "invalid")
+                    continue
+                traj.row_id = st.row_id
+                if trainer_version is not None and self._is_stale(traj, trainer_version):
+                    self._stale_on_load += 1
+                group.members.append(traj)
+                self.total_reloaded += 1
+                self._maybe_complete(group)
+            self._admitted = self.total_reloaded
+        if stored or committed or returned:
+            logger.warning(
+                "service store: %d acknowledged trajectories reloaded (%d consumed after the "
+                "step-%d checkpoint handed back, %d already trained committed)%s",
+                len(stored),
+                returned,
+                restored_step,
+                committed,
+                f"; {self._stale_on_load} are past the staleness bound and will be dropped"
+                if self._stale_on_load
+                else "",
+            )
+        self._wake()
+        return len(stored)
+
+    def commit(self, step: int) -> None:
+        """A checkpoint at ``step`` is saved: what was consumed up to it is trained for good.
+        Blocks (call it from a thread)."""
+        if self.store is not None:
+            n = self.store.commit_through(step)
+            logger.info("step %d checkpoint: %d trajectories committed as trained", step, n)
+
+    def describe(self) -> dict[str, Any]:
+        """Counters for ``/admin/status``."""
+        with self._lock:
+            return {
+                "pending": sum(len(g.members) for g in self._open.values())
+                + (len(self._auto.members) if self._auto else 0),
+                "ready_groups": len(self._ready),
+                "received": self.total_received,
+                "reloaded": self.total_reloaded,
+                "failed": self.total_failed,
+                "next_step": self._step + 1,
+                "store": self.store.url if self.store is not None else None,
+            }
 
     # -- admission (staleness control at session start) -----------------------------------
 
@@ -266,7 +408,7 @@ class ExternalTrajectorySource:
     def _group_for(self, group_id: str | None) -> _Group:
         if group_id is None:
             if self._auto is None:
-                self._auto = _Group(key=f"auto-{next(self._auto_ids)}")
+                self._auto = _Group(key=f"auto-{self._auto_tag}-{next(self._auto_ids)}")
             return self._auto
         group = self._open.get(group_id)
         if group is None:
@@ -345,23 +487,20 @@ class ExternalTrajectorySource:
             and trainer_version - traj.min_version > self.max_head_offpolicyness
         )
 
-    # RolloutExecutor's prefetching interface (``submit`` + ``next_batch``), so a trainer that
-    # drives an executor can drive this source unchanged: items are ignored (the data lives
-    # with the external agents).
     uses_proxy = False
-
-    def submit(self, item: Any = None) -> None:
-        """No-op: external agents choose their own work."""
-
-    def feed(self, items: Any = None) -> None:
-        """No-op: external agents choose their own work."""
+    """The trainer grants no proxy capacity for this source (the gateway admits sessions)."""
 
     async def next_batch(
-        self, *, trainer_version: int, batch_size: int | None = None, timeout: float | None = None
+        self,
+        *,
+        trainer_version: int,
+        batch_size: int | None = None,
+        timeout: float | None = None,
+        step: int | None = None,
     ) -> tuple[dict | None, dict[str, float]]:
         """``rollout_batch`` with an explicit number of groups."""
         return await self.rollout_batch(
-            trainer_version=trainer_version, timeout=timeout, batch_size=batch_size
+            trainer_version=trainer_version, timeout=timeout, batch_size=batch_size, step=step
         )
 
     async def aclose(self) -> None:
@@ -374,8 +513,12 @@ class ExternalTrajectorySource:
         trainer_version: int,
         timeout: float | None = None,
         batch_size: int | None = None,
+        step: int | None = None,
     ) -> tuple[dict | None, dict[str, float]]:
         """Wait for ``batch_size`` complete groups and return ``(tensor batch, stats)``.
+
+        ``step`` is the trainer step the batch is for (default: one past the last batch); with a
+        store the trajectories are marked consumed at it before they are returned.
 
         ``items`` is accepted for signature compatibility with ``RolloutExecutor`` and ignored:
         the data lives with the external agents. Trajectories generated on weights more than
@@ -389,7 +532,7 @@ class ExternalTrajectorySource:
         event = asyncio.Event()
         waiter = (loop, event)
         selected: list[list[Trajectory]] = []
-        stale = 0
+        stale_trajs: list[Trajectory] = []
         with self._lock:
             self._waiters.add(waiter)
         try:
@@ -402,7 +545,9 @@ class ExternalTrajectorySource:
                     while self._ready and len(selected) < want:
                         group = self._ready.popleft()
                         fresh = [t for t in group.members if not self._is_stale(t, trainer_version)]
-                        stale += len(group.members) - len(fresh)
+                        stale_trajs += [
+                            t for t in group.members if self._is_stale(t, trainer_version)
+                        ]
                         if fresh:
                             selected.append(fresh)
                 if len(selected) >= want:
@@ -425,7 +570,23 @@ class ExternalTrajectorySource:
         finally:
             with self._lock:
                 self._waiters.discard(waiter)
-        return self._finish(selected, stale, trainer_version, time.monotonic() - start)
+        step = self._step + 1 if step is None else int(step)
+        self._step = step
+        if self.store is not None:
+            consumed = [t.row_id for g in selected for t in g if t.row_id is not None]
+            dropped = [t.row_id for t in stale_trajs if t.row_id is not None]
+            await asyncio.to_thread(self.store.mark_consumed, consumed, step)
+            await asyncio.to_thread(self.store.drop_trajectories, dropped, step, "stale")
+        if stale_trajs:
+            logger.warning(
+                "step %d: %d trajectories dropped: generated more than %d versions before "
+                "version %d (rollout.max_head_offpolicyness)",
+                step,
+                len(stale_trajs),
+                self.max_head_offpolicyness,
+                trainer_version,
+            )
+        return self._finish(selected, len(stale_trajs), trainer_version, time.monotonic() - start)
 
     def _finish(
         self, groups: list[list[Trajectory]], stale: int, trainer_version: int, waited: float

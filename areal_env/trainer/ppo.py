@@ -516,7 +516,7 @@ class PPOTrainer:
             tokenizer=self.tokenizer,
             optimizer=self.actor.optimizer,
             trainer_state=state,
-            keep_last=2,
+            keep_last=self.config.trainer.keep_checkpoints,
         )
 
     def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:

@@ -100,7 +100,6 @@ async def test_close_wakes_waiters_and_cancel_keeps_groups():
 
 async def test_executor_prefetch_interface():
     src = ExternalTrajectorySource(n_samples=1, batch_size=4)
-    src.submit({"ignored": True})
     for r in (0.0, 1.0, 0.5):
         src.put(export(r))
     batch, stats = await src.next_batch(trainer_version=0, batch_size=3, timeout=5)

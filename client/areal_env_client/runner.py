@@ -1,0 +1,253 @@
+"""``AgentRunner``: run an async agent over a dataset through the training service.
+
+Retries are sized to outlast a service restart: connection failures and 502/503/504 answers
+(also a session the service lost in a restart) are retried in a fresh session with exponential
+backoff (honouring ``Retry-After``) for up to ``retry_for`` seconds; "busy" answers (429: a
+quota, or the trainer has enough rollouts in flight) for up to ``patience`` seconds. An attempt
+that will not be retried tells the service so, and its GRPO group stops waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from areal_env_client.session import AgentServiceError, AgentSession, default_service_url
+
+logger = logging.getLogger(__name__)
+
+TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+"""HTTP statuses worth retrying with a new session (capacity, quota, restart, backend loss)."""
+
+
+def _status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    if status is None:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _retry_after_of(exc: BaseException) -> float | None:
+    value = getattr(exc, "retry_after", None)
+    if value is None:
+        headers = getattr(getattr(exc, "response", None), "headers", None)
+        raw = headers.get("retry-after") if headers is not None else None
+        try:
+            value = float(raw) if raw is not None else None
+        except ValueError:
+            value = None
+    return value
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Connection failures and 429/502/503/504 answers (from httpx, openai, anthropic, us)."""
+    if isinstance(exc, (httpx.TransportError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    if _status_of(exc) in TRANSIENT_STATUS:
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(
+        names & {"APIConnectionError", "APITimeoutError", "ClientConnectionError", "ClientOSError"}
+    )
+
+
+@dataclass
+class AgentResult:
+    """What ``AgentRunner.run`` got for one dataset item (``group_size`` samples)."""
+
+    index: int
+    item: Any
+    rewards: list[float | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+    session_ids: list[str | None] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(e is None for e in self.errors)
+
+    @property
+    def mean_reward(self) -> float | None:
+        vals = [r for r in self.rewards if r is not None]
+        return sum(vals) / len(vals) if vals else None
+
+
+AgentFn = Callable[[Any], Awaitable[float | None]]
+
+
+@dataclass
+class _Attempts:
+    """Retry bookkeeping of one sample."""
+
+    retry_for: float
+    patience: float
+    max_retries: int | None
+    started: float = field(default_factory=time.monotonic)
+    failures: int = 0
+
+    def will_retry(self, exc: BaseException) -> bool:
+        elapsed = time.monotonic() - self.started
+        if _status_of(exc) == 429:
+            return elapsed < self.patience
+        if not is_transient(exc):
+            return False
+        if self.max_retries is not None and self.failures + 1 > self.max_retries:
+            return False
+        return elapsed < self.retry_for
+
+
+class AgentRunner:
+    """Run an async agent over a dataset through the training service.
+
+    Each item runs ``group_size`` times, each run in its own ``AgentSession`` sharing one
+    ``group_id`` (one GRPO group, so ``group_size`` should equal the service's
+    ``rollout.n_samples``). ``agent_fn(item)`` returns the reward (finalized for it) or None
+    (it finalized or rewarded itself: ``current_session()``, the helpers, or raw calls).
+    """
+
+    def __init__(
+        self,
+        service_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        verify: bool | str = True,
+    ) -> None:
+        self.service_url = (service_url or default_service_url()).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+        self.timeout = timeout
+        self.verify = verify
+
+    async def run(
+        self,
+        agent_fn: AgentFn,
+        dataset: Iterable[Any],
+        *,
+        concurrency: int = 8,
+        group_size: int = 1,
+        max_retries: int | None = None,
+        retry_for: float = 300.0,
+        progress: bool = True,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        group_prefix: str | None = None,
+        patience: float = 3600.0,
+    ) -> list[AgentResult]:
+        """Run every item ``group_size`` times; returns one ``AgentResult`` per item.
+
+        Transient failures are retried for up to ``retry_for`` seconds (and at most
+        ``max_retries`` times when given), 429 answers for up to ``patience`` seconds; delays
+        grow from ``backoff`` to ``max_backoff`` seconds, or follow the service's Retry-After.
+        """
+        items = list(dataset)
+        if concurrency < 1 or group_size < 1 or (max_retries is not None and max_retries < 0):
+            raise ValueError("concurrency and group_size must be >= 1, max_retries >= 0")
+        prefix = group_prefix or "run-" + secrets.token_hex(4)
+        results = [
+            AgentResult(
+                index=i,
+                item=item,
+                rewards=[None] * group_size,
+                errors=[None] * group_size,
+                session_ids=[None] * group_size,
+                attempts=[0] * group_size,
+            )
+            for i, item in enumerate(items)
+        ]
+        semaphore = asyncio.Semaphore(concurrency)
+        bar = _progress(len(items) * group_size, progress)
+        async with httpx.AsyncClient(timeout=self.timeout, verify=self.verify) as http:
+
+            async def one(index: int, sample: int) -> None:
+                res = results[index]
+                state = _Attempts(retry_for, patience, max_retries)
+                async with semaphore:
+                    while True:
+                        res.attempts[sample] += 1
+                        try:
+                            reward, sid = await self._episode(
+                                http, agent_fn, res.item, f"{prefix}-{index}", state
+                            )
+                            res.rewards[sample], res.session_ids[sample] = reward, sid
+                            res.errors[sample] = None
+                            break
+                        except Exception as e:  # noqa: BLE001 - reported per item
+                            res.errors[sample] = f"{type(e).__name__}: {e}"
+                            if not state.will_retry(e):
+                                logger.warning("item %d sample %d failed: %s", index, sample, e)
+                                break
+                            if _status_of(e) != 429:
+                                state.failures += 1
+                            step = min(res.attempts[sample] - 1, 10)
+                            delay = min(backoff * 2**step, max_backoff) * (0.5 + random.random())
+                            hint = _retry_after_of(e)
+                            if hint is not None:
+                                delay = max(delay, min(hint, max_backoff * 6))
+                            await asyncio.sleep(delay)
+                if bar is not None:
+                    bar.update(1)
+
+            try:
+                await asyncio.gather(
+                    *(one(i, s) for i in range(len(items)) for s in range(group_size))
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+        return results
+
+    async def _episode(
+        self,
+        http: httpx.AsyncClient,
+        agent_fn: AgentFn,
+        item: Any,
+        group_id: str,
+        state: _Attempts,
+    ) -> tuple[float | None, str | None]:
+        session = AgentSession(
+            self.service_url,
+            self.api_key,
+            group_id=group_id,
+            http_client=http,
+            timeout=self.timeout,
+            set_env=False,  # concurrent sessions: the header hook names each one
+        )
+        async with session:
+            try:
+                reward = await agent_fn(item)
+            except BaseException as e:
+                # Tell the service whether this group member will come back.
+                session.retry_on_failure = isinstance(e, Exception) and state.will_retry(e)
+                raise
+            if reward is not None and session.finalized is None:
+                await session.finalize(float(reward))
+            if session.finalized is not None and session.finalized.get("status") == "failed":
+                raise AgentServiceError(
+                    422, f"session failed: {session.finalized.get('reason', 'unknown')}"
+                )
+        return (None if reward is None else float(reward)), session.session_id
+
+    def run_sync(
+        self, agent_fn: AgentFn, dataset: Iterable[Any], **kwargs: Any
+    ) -> list[AgentResult]:
+        """``run`` for scripts without an event loop."""
+        return asyncio.run(self.run(agent_fn, dataset, **kwargs))
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional on the client side
+        return None
+    return tqdm(total=total, desc="agent sessions", unit="session")

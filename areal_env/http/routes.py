@@ -25,6 +25,8 @@ EXPORT_TRAJECTORIES = "/export_trajectories"
 SERVICE_SESSIONS = "/rl/v1/sessions"
 SERVICE_SET_REWARD = "/rl/v1/set_reward"
 SERVICE_FINALIZE = "/rl/v1/finalize"
+SERVICE_SESSION = "/rl/v1/session"  # the session the request names (header, key or /s/{id})
+SERVICE_SESSION_PREFIX = "/s/"  # /s/{session_id}/<any route>: the session named by the URL
 SERVICE_KEYS = "/admin/keys"
 SERVICE_STATUS = "/admin/status"
 

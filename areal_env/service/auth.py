@@ -259,14 +259,20 @@ class KeyStore:
                         retry_after=max(1.0, wait),
                     )
 
-    def count_tokens(self, user: UserKey, tokens: int) -> None:
-        """Record ``tokens`` used by ``user`` (memory, then the store). Blocks."""
+    def count_tokens(self, user: UserKey, tokens: int, *, persist: bool = True) -> None:
+        """Record ``tokens`` used by ``user`` in memory (at once, so the next call sees them)
+        and, with ``persist``, in the store (blocks: see ``persist_tokens``)."""
         if tokens <= 0:
             return
         with self._lock:
             user.tokens_used += tokens
             user.window.append((time.monotonic(), tokens))
-        if self.store is not None:
+        if persist:
+            self.persist_tokens(user, tokens)
+
+    def persist_tokens(self, user: UserKey, tokens: int) -> None:
+        """Add ``tokens`` to ``user``'s usage in the store. Blocks."""
+        if self.store is not None and tokens > 0:
             self.store.add_key_usage(user.digest, tokens)
 
     def __len__(self) -> int:

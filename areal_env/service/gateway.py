@@ -22,8 +22,6 @@ import errno
 import json
 import logging
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,10 +29,15 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from areal_env.api.service_config import ServiceConfig, is_loopback
+from areal_env.http import routes
+from areal_env.http.body import read_body, read_json, request_key
+from areal_env.http.errors import HTTPError, error_response, install_error_handlers
+from areal_env.http.net import bind_socket, url_host
+from areal_env.http.runner import ServerThread
 from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, BackendPool, NoBackendError
 from areal_env.service.client import SESSION_HEADER
@@ -75,27 +78,26 @@ RESTARTED = "the service restarted while the session was open; start a new sessi
 _USAGE_HEAD = 8192
 _USAGE_TAIL = 65536
 _MODEL_POSTS = {
-    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-    "/v1/completions": ("max_tokens",),
-    "/v1/responses": ("max_output_tokens",),
-    "/v1/messages": ("max_tokens",),
+    routes.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
+    routes.OPENAI_PREFIX + "/completions": ("max_tokens",),
+    routes.RESPONSES: ("max_output_tokens",),
+    routes.MESSAGES: ("max_tokens",),
 }
 
 
-class ServiceError(Exception):
-    """An error answered to the client with ``status`` in the endpoint's own error format."""
+class ServiceError(HTTPError):
+    """An error answered in the route's own format (the toolkit's vocabulary); 429 and 503
+    answers carry ``Retry-After`` when waiting helps."""
 
     def __init__(
         self,
         status: int,
         message: str,
-        kind: str = "invalid_request_error",
+        *,
         retry_after: float | None = None,
+        code: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
+        super().__init__(status, message, code=code)
         self.retry_after = retry_after
 
 
@@ -122,35 +124,6 @@ class GatewaySession:
     """A reward was set through the service (``AgentSession`` reads it on exit)."""
     tokens: int = 0
     """Tokens counted from answers' ``usage`` (reconciled with the export at finalize)."""
-
-
-def _error_body(path: str, status: int, message: str, kind: str) -> dict[str, Any]:
-    if path.startswith("/v1/messages"):
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def _kind_for(status: int) -> str:
-    return {
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        409: "conflict_error",
-        410: "session_ended",
-        429: "rate_limit_error",
-        502: "bad_gateway",
-        503: "service_unavailable",
-    }.get(status, "invalid_request_error")
-
-
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
-    if auth:
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-    key = request.headers.get("x-api-key")
-    return key.strip() if key else None
 
 
 def _usage_of(obj: Any) -> int:
@@ -208,8 +181,9 @@ class SessionPathApp:
         return getattr(self.app, name)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope.get("type") == "http" and scope.get("path", "").startswith("/s/"):
-            sid, slash, tail = scope["path"][3:].partition("/")
+        prefix = routes.SERVICE_SESSION_PREFIX
+        if scope.get("type") == "http" and scope.get("path", "").startswith(prefix):
+            sid, slash, tail = scope["path"][len(prefix) :].partition("/")
             if sid and slash:
                 path = "/" + tail
                 headers = [h for h in scope["headers"] if h[0] != PATH_SESSION_HEADER.encode()]
@@ -316,11 +290,12 @@ class Gateway:
 
     @property
     def open_sessions(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.state in ("open", "finalizing"))
+        """Sessions not closed yet (read from other threads too: a snapshot of the values)."""
+        return sum(1 for s in list(self.sessions.values()) if s.state in ("open", "finalizing"))
 
     async def _authenticate(self, request: Request) -> tuple[UserKey, str | None]:
         """The caller's key (→ user) and a session id carried in the key, if any."""
-        token = _bearer(request)
+        token = request_key(request)
         user = self.keys.lookup(token)
         session_in_key = None
         if user is None and token and ":" in token:
@@ -337,7 +312,6 @@ class Gateway:
             raise ServiceError(
                 401,
                 "missing, invalid or revoked API key (send Authorization: Bearer <key>)",
-                "authentication_error",
             )
         return user, session_in_key or None
 
@@ -379,16 +353,16 @@ class Gateway:
             )
         sess = await self._lookup(session_id)
         if sess is None or sess.user.digest != user.digest:
-            raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
+            raise ServiceError(404, f"unknown session {session_id!r}")
         if sess.state == "failed":
             # 410, not 503: the session is gone for good, and clients retry 503s
             raise ServiceError(
                 410,
                 f"session {session_id} has failed ({sess.error}); start a new session",
-                "session_ended",
+                code="session_ended",
             )
         if sess.state != "open":
-            raise ServiceError(409, f"session {session_id} is already finalized", "conflict_error")
+            raise ServiceError(409, f"session {session_id} is already finalized")
         sess.last_used = time.monotonic()
         return sess
 
@@ -444,9 +418,7 @@ class Gateway:
                 f"{type(e).__name__} on {path}",
                 conclusive=isinstance(e, httpx.ConnectError),
             )
-            raise ServiceError(
-                503, f"backend {backend.name} is unreachable", "service_unavailable"
-            ) from e
+            raise ServiceError(503, f"backend {backend.name} is unreachable") from e
 
     async def _session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
         backend = sess.backend
@@ -463,23 +435,22 @@ class Gateway:
                 f"{type(e).__name__} on {path}",
                 conclusive=isinstance(e, httpx.ConnectError),
             )
-            raise ServiceError(
-                503, f"the backend of session {sess.id} is unreachable", "service_unavailable"
-            ) from e
+            raise ServiceError(503, f"the backend of session {sess.id} is unreachable") from e
 
     def _check_quota(self, user: UserKey) -> None:
         try:
             self.keys.check_tokens(user)
         except QuotaExceededError as e:
             self.counters["rejected_quota"] += 1
-            raise ServiceError(429, str(e), "rate_limit_error", retry_after=e.retry_after) from e
+            raise ServiceError(429, str(e), retry_after=e.retry_after) from e
 
     def _count_tokens(self, sess: GatewaySession | None, user: UserKey, tokens: int) -> None:
         if tokens <= 0:
             return
         if sess is not None:
             sess.tokens += tokens
-        self._background(self.keys.count_tokens, user, tokens)
+        self.keys.count_tokens(user, tokens, persist=False)  # the next call sees it at once
+        self._background(self.keys.persist_tokens, user, tokens)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -497,7 +468,6 @@ class Gateway:
             raise ServiceError(
                 503,
                 "the service is shutting down and takes no new sessions; retry after it restarts",
-                "service_unavailable",
                 retry_after=self.config.drain_retry_after,
             )
         self._check_quota(user)
@@ -505,7 +475,7 @@ class Gateway:
             self.keys.acquire(user)
         except QuotaExceededError as e:
             self.counters["rejected_quota"] += 1
-            raise ServiceError(429, str(e), "rate_limit_error", retry_after=e.retry_after) from e
+            raise ServiceError(429, str(e), retry_after=e.retry_after) from e
         admitted = False
         try:
             admit = getattr(self.source, "admit", None)
@@ -515,7 +485,6 @@ class Gateway:
                         429,
                         "the trainer has enough rollouts in flight for its staleness bound; "
                         "retry after the next training step",
-                        "rate_limit_error",
                         retry_after=5.0,
                     )
                 admitted = True
@@ -548,12 +517,12 @@ class Gateway:
         try:
             candidates = self.pool.candidates()
         except NoBackendError as e:
-            raise ServiceError(503, str(e), "service_unavailable", retry_after=5.0) from e
+            raise ServiceError(503, str(e), retry_after=5.0) from e
         payload = {"group_id": group_id, "task_id": task_id, "metadata": metadata}
         last: ServiceError | None = None
         for backend in candidates:
             try:
-                resp = await self._admin_post(backend, "/rl/start_session", payload)
+                resp = await self._admin_post(backend, routes.START_SESSION, payload)
             except ServiceError as e:
                 last = e
                 continue
@@ -561,7 +530,6 @@ class Gateway:
                 last = ServiceError(
                     429,
                     "no rollout capacity right now; retry later",
-                    "rate_limit_error",
                     retry_after=5.0,
                 )
                 continue
@@ -569,7 +537,6 @@ class Gateway:
                 last = ServiceError(
                     502,
                     f"backend {backend.name} refused the session ({resp.status_code})",
-                    "bad_gateway",
                 )
                 continue
             data = resp.json()
@@ -599,11 +566,9 @@ class Gateway:
         payload: dict[str, Any] = {"reward": float(reward)}
         if completion_id:
             payload["interaction_id"] = completion_id
-        resp = await self._session_post(sess, "/rl/set_reward", payload)
+        resp = await self._session_post(sess, routes.SET_REWARD, payload)
         if resp.status_code >= 400:
-            raise ServiceError(
-                resp.status_code, _backend_message(resp), _kind_for(resp.status_code)
-            )
+            raise ServiceError(resp.status_code, _backend_message(resp))
         if not sess.rewarded:
             sess.rewarded = True
             await asyncio.to_thread(self.store.update_session, sess.id, rewarded=True)
@@ -626,16 +591,16 @@ class Gateway:
         try:
             if status == "ok" and final_reward is not None:
                 payload = {"reward": float(final_reward)}
-                resp = await self._session_post(sess, "/rl/set_reward", payload)
+                resp = await self._session_post(sess, routes.SET_REWARD, payload)
                 if resp.status_code == 404:
                     status, reason = "failed", "the session made no completions"
                 elif resp.status_code >= 400:
                     code = resp.status_code
-                    raise ServiceError(code, _backend_message(resp), _kind_for(code))
-            resp = await self._session_post(sess, "/rl/end_session", {})
+                    raise ServiceError(code, _backend_message(resp))
+            resp = await self._session_post(sess, routes.END_SESSION, {})
             if resp.status_code >= 400 and resp.status_code not in (409, 410):
                 msg = f"ending the session failed: {_backend_message(resp)}"
-                raise ServiceError(502, msg, "bad_gateway")
+                raise ServiceError(502, msg)
             if status != "ok":
                 self._fail_session(sess, reason, retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
@@ -645,9 +610,9 @@ class Gateway:
                 "discount": self.discount,
                 "style": self.export_style,
             }
-            resp = await self._admin_post(sess.backend, "/export_trajectories", payload)
+            resp = await self._admin_post(sess.backend, routes.EXPORT_TRAJECTORIES, payload)
             if resp.status_code >= 400:
-                raise ServiceError(502, f"export failed: {_backend_message(resp)}", "bad_gateway")
+                raise ServiceError(502, f"export failed: {_backend_message(resp)}")
             export = resp.json()
             if not export.get("trajectories"):
                 self._fail_session(sess, "the session made no completions", retry=retry)
@@ -675,7 +640,6 @@ class Gateway:
                     503,
                     "the service is shutting down and cannot keep this trajectory; "
                     "run the episode again after it restarts",
-                    "service_unavailable",
                     retry_after=self.config.drain_retry_after,
                 ) from e
             raise
@@ -743,7 +707,7 @@ class Gateway:
         headers["authorization"] = f"Bearer {key}"
         headers["x-api-key"] = key
         headers["accept-encoding"] = "identity"
-        body = await request.body()
+        body = await read_body(request)
         if request.method == "POST":
             body = self._capped_body(path, body)
         upstream = self.http.build_request(request.method, url, headers=headers, content=body)
@@ -764,7 +728,6 @@ class Gateway:
                 503,
                 f"the backend of {who} is unavailable ({type(e).__name__}); "
                 "the session has failed, start a new session",
-                "service_unavailable",
             ) from e
         self.counters["requests_forwarded"] += 1
         out_headers = {
@@ -818,7 +781,7 @@ class Gateway:
     async def probe(self, backend: Backend) -> None:
         try:
             resp = await self.http.get(
-                backend.base_url + "/health", timeout=self.config.health_timeout
+                backend.base_url + routes.HEALTH, timeout=self.config.health_timeout
             )
             ok = resp.status_code == 200
             error = f"/health answered {resp.status_code}"
@@ -839,11 +802,17 @@ class Gateway:
                 del self.sessions[sid]
 
     async def maintain(self) -> None:
-        """Background task: probe every backend, expire idle sessions; forever."""
-        while True:
-            await asyncio.gather(*(self.probe(b) for b in self.pool.all()), return_exceptions=True)
-            self.expire()
-            await asyncio.sleep(self.config.health_interval)
+        """Background task: probe every backend, expire idle sessions; until cancelled at
+        stop (then pending store writes finish and the HTTP client closes)."""
+        try:
+            while True:
+                await asyncio.gather(
+                    *(self.probe(b) for b in self.pool.all()), return_exceptions=True
+                )
+                self.expire()
+                await asyncio.sleep(self.config.health_interval)
+        finally:
+            await self.aclose()
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -851,40 +820,33 @@ class Gateway:
         app = FastAPI(title="areal-env any-agent training service", docs_url=None, redoc_url=None)
         gw = self
 
+        install_error_handlers(app, self.counters)
+
         @app.exception_handler(ServiceError)
-        async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-            headers = {}
+        async def _service_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, ServiceError)
+            resp = error_response(request.url.path, exc)
             if exc.retry_after is not None:
-                headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-            return JSONResponse(
-                _error_body(request.url.path, exc.status, exc.message, exc.kind),
-                status_code=exc.status,
-                headers=headers,
-            )
+                resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return resp
 
         async def json_body(request: Request) -> dict:
-            raw = await request.body()
-            if not raw:
-                return {}
             try:
-                data = json.loads(raw)
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
-                raise ServiceError(400, f"body is not valid JSON: {e}") from None
-            if not isinstance(data, dict):
-                raise ServiceError(400, "body must be a JSON object")
-            return data
+                return await read_json(request, empty_ok=True, object_only=True)
+            except RecursionError:  # nested too deeply for the parser
+                raise ServiceError(400, "body is not valid JSON: nested too deeply") from None
 
         def require_admin(request: Request) -> None:
-            if not gw.keys.is_admin(_bearer(request)):
-                raise ServiceError(401, "admin key required", "authentication_error")
+            if not gw.keys.is_admin(request_key(request)):
+                raise ServiceError(401, "admin key required")
 
-        @app.get("/health")
+        @app.get(routes.HEALTH)
         async def health() -> dict:
             healthy = len(gw.pool.healthy())
             status = "draining" if gw.draining else ("ok" if healthy else "degraded")
             return {"status": status, "backends_healthy": healthy}
 
-        @app.post("/rl/v1/sessions")
+        @app.post(routes.SERVICE_SESSIONS)
         async def create_session(request: Request) -> dict:
             user, _ = await gw._authenticate(request)
             body = await json_body(request)
@@ -905,7 +867,7 @@ class Gateway:
             user, _ = await gw._authenticate(request)
             sess = await gw._lookup(session_id)
             if sess is None or sess.user.digest != user.digest:
-                raise ServiceError(404, f"unknown session {session_id!r}", "not_found_error")
+                raise ServiceError(404, f"unknown session {session_id!r}")
             return {
                 "session_id": sess.id,
                 "state": sess.state,
@@ -915,11 +877,11 @@ class Gateway:
                 "task_id": sess.task_id,
             }
 
-        @app.get("/rl/v1/sessions/{session_id}")
+        @app.get(routes.SERVICE_SESSIONS + "/{session_id}")
         async def session_status(session_id: str, request: Request) -> dict:
             return await describe_session(session_id, request)
 
-        @app.get("/rl/v1/session")
+        @app.get(routes.SERVICE_SESSION)
         async def this_session(request: Request) -> dict:
             """The session named by the header, key or ``/s/{id}`` URL."""
             user, in_key = await gw._authenticate(request)
@@ -928,7 +890,7 @@ class Gateway:
                 raise ServiceError(400, "no session named")
             return await describe_session(sid, request)
 
-        @app.post("/rl/v1/set_reward")
+        @app.post(routes.SERVICE_SET_REWARD)
         async def set_reward(request: Request) -> dict:
             user, in_key = await gw._authenticate(request)
             body = await json_body(request)
@@ -937,7 +899,7 @@ class Gateway:
             completion_id = body.get("completion_id") or body.get("interaction_id")
             return await gw.set_reward(sess, reward, completion_id)
 
-        @app.post("/rl/v1/finalize")
+        @app.post(routes.SERVICE_FINALIZE)
         async def finalize(request: Request) -> dict:
             user, in_key = await gw._authenticate(request)
             body = await json_body(request)
@@ -962,7 +924,7 @@ class Gateway:
             sess = await gw._session(user, sid)
             return await gw.finalize(sess, final_reward, status, retry=retry)
 
-        @app.post("/admin/keys")
+        @app.post(routes.SERVICE_KEYS)
         async def issue_key(request: Request) -> dict:
             require_admin(request)
             body = await json_body(request)
@@ -981,21 +943,21 @@ class Gateway:
             logger.info("issued user key %s (%s)", user.key_id, user.name or "unnamed")
             return {"api_key": key, **user.describe()}
 
-        @app.get("/admin/keys")
+        @app.get(routes.SERVICE_KEYS)
         async def list_keys(request: Request) -> dict:
             require_admin(request)
             return {"keys": [u.describe() for u in gw.keys.list()]}
 
-        @app.delete("/admin/keys/{key_id}")
+        @app.delete(routes.SERVICE_KEYS + "/{key_id}")
         async def revoke_key(key_id: str, request: Request) -> dict:
             require_admin(request)
             user = await asyncio.to_thread(gw.keys.revoke, key_id)
             if user is None:
-                raise ServiceError(404, f"unknown key {key_id!r}", "not_found_error")
+                raise ServiceError(404, f"unknown key {key_id!r}")
             logger.info("revoked user key %s", key_id)
             return user.describe()
 
-        @app.get("/admin/status")
+        @app.get(routes.SERVICE_STATUS)
         async def admin_status(request: Request) -> dict:
             require_admin(request)
             states: dict[str, int] = {}
@@ -1037,14 +999,14 @@ class Gateway:
             try:
                 backend = self.pool.candidates()[0]
             except NoBackendError as e:
-                raise ServiceError(503, str(e), "service_unavailable") from e
+                raise ServiceError(503, str(e)) from e
             return await self.forward(request, None, backend, backend.admin_key)
         self._check_quota(user)
         sess = await self.start_session(user, persist=False)
 
         async def close() -> None:
             try:
-                await self._session_post(sess, "/rl/end_session", {})
+                await self._session_post(sess, routes.END_SESSION, {})
             except ServiceError:
                 pass
             self._release(sess, "done")  # inference only: never trained on
@@ -1091,32 +1053,31 @@ def _backend_message(resp: httpx.Response) -> str:
 
 
 class PortInUseError(OSError):
-    """The configured port is taken (raised before anything heavy is loaded)."""
+    """The configured port is taken (found before anything heavy is loaded)."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port`` with TCP_NODELAY; a clear error when the
-    port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _port_in_use(host: str, port: int, e: OSError) -> PortInUseError:
+    return PortInUseError(
+        e.errno,
+        f"cannot listen on {host}:{port} ({e.strerror}): another program uses the port; "
+        "choose another with --port N or service.port=N (0 = any free port)",
+    )
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise ``PortInUseError`` now if ``host:port`` cannot be bound (port 0 always can)."""
+    if port == 0:
+        return
     try:
-        sock.bind((host, port))
+        bind_socket(host, port).close()
     except OSError as e:
-        sock.close()
         if e.errno in (errno.EADDRINUSE, errno.EACCES):
-            raise PortInUseError(
-                e.errno,
-                f"cannot listen on {host}:{port} ({e.strerror}): another program uses the port; "
-                "choose another with --port N or service.port=N (0 = any free port)",
-            ) from e
+            raise _port_in_use(host, port, e) from e
         raise
-    return sock
 
 
 class GatewayServer:
-    """Runs a ``Gateway`` under uvicorn in a daemon thread with its own event loop."""
+    """Runs a ``Gateway`` in the toolkit's ``ServerThread`` (uvicorn, its own event loop)."""
 
     def __init__(
         self,
@@ -1141,11 +1102,7 @@ class GatewayServer:
             store=store,
             max_new_tokens=max_new_tokens,
         )
-        self._thread: threading.Thread | None = None
-        self._server: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
-        self._sock: socket.socket | None = None
+        self._server: ServerThread | None = None
         self.port: int | None = None
 
     @property
@@ -1160,97 +1117,50 @@ class GatewayServer:
     def base_url(self) -> str:
         if self.port is None:
             raise RuntimeError("the gateway is not started")
-        host = self.config.host
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        if ":" in shown:
-            shown = f"[{shown}]"
-        return f"{self.config.scheme}://{shown}:{self.port}"
+        return f"{self.config.scheme}://{url_host(self.config.host)}:{self.port}"
 
     def add_backend(self, base_url: str, admin_key: str, name: str | None = None) -> Backend:
         return self.gateway.pool.add(base_url, admin_key, name)
 
-    def bind(self) -> GatewayServer:
-        """Take the port now (``PortInUseError`` if taken), serve it later with ``start``."""
-        if self._sock is None:
-            self._sock = bind_socket(self.config.host, self.config.port)
-            self.port = self._sock.getsockname()[1]
+    def check_port(self) -> GatewayServer:
+        """Fail now (``PortInUseError``) if the configured port is taken."""
+        check_port(self.config.host, self.config.port)
         return self
 
-    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
-        """Run ``fn`` on the gateway's event loop (state is owned by that loop) and return."""
-        if self._loop is None:
-            return fn()
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
-
     def drain(self) -> None:
-        """Take no new sessions (503 + Retry-After); open ones may finish."""
-        self.call(lambda: setattr(self.gateway, "draining", True))
+        """Take no new sessions (503 + Retry-After); open ones may finish. Any thread."""
+        self.gateway.draining = True
 
     @property
     def open_sessions(self) -> int:
-        return int(self.call(lambda: self.gateway.open_sessions))
+        return self.gateway.open_sessions
 
     def start(self, timeout: float = 30.0) -> GatewayServer:
-        import uvicorn
-
-        self.bind()
-        sock = self._sock
-        uv_config = uvicorn.Config(
+        self._server = ServerThread(
             self.app,
-            log_level="warning",
-            access_log=False,
+            self.config.host,
+            self.config.port,
+            name="gateway",
+            scheme=self.config.scheme,
+            background=self.gateway.maintain,
             ssl_keyfile=self.config.ssl_keyfile,
             ssl_certfile=self.config.ssl_certfile,
-            timeout_keep_alive=30,
         )
-        self._server = uvicorn.Server(uv_config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        ready = threading.Event()
-
-        async def serve() -> None:
-            self._loop = asyncio.get_running_loop()
-            maint = asyncio.create_task(self.gateway.maintain())
-            try:
-                await self._server.serve(sockets=[sock])
-            finally:
-                maint.cancel()
-                await asyncio.gather(maint, return_exceptions=True)
-                await self.gateway.aclose()
-
-        def run() -> None:
-            try:
-                asyncio.run(serve())
-            except BaseException as e:  # surfaced by start()
-                self._error = e
-            finally:
-                self._loop = None
-                ready.set()
-
-        self._thread = threading.Thread(target=run, name="areal-gateway", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if self._error is not None or not self._thread.is_alive():
-                raise RuntimeError(f"gateway failed to start: {self._error!r}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway did not start in time")
-            time.sleep(0.02)
+        try:
+            self._server.start(timeout)
+        except OSError as e:
+            self._server = None
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise _port_in_use(self.config.host, self.config.port, e) from e
+            raise
+        self.port = self._server.port
         logger.info("gateway listening at %s", self.base_url)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        elif self._sock is not None:  # bound but never served
-            self._sock.close()
-        self._sock = None
+            self._server.stop(timeout)
+            self._server = None
 
     def __enter__(self) -> GatewayServer:
         return self.start()

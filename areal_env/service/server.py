@@ -160,7 +160,7 @@ class TrainingService(ServiceStack):
             export_style=self.cfg.rollout.export_style,
             store=self.store,
             max_new_tokens=self.cfg.gconfig.max_new_tokens,
-        ).bind()
+        ).check_port()
         step, version = resume_point(self.cfg)
         self.resumed_step = step
         self.source.load(step, trainer_version=version)

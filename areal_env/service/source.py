@@ -295,6 +295,8 @@ class ExternalTrajectorySource:
         now_wall, now_mono = time.time(), time.monotonic()
         with self._lock:
             self._step = restored_step
+            if trainer_version is not None:  # admission counts from the resumed version
+                self._version = self._version0 = int(trainer_version)
             for st in stored:
                 group = self._group_for(st.group_key or None)
                 if not group.members:  # its wait counts from its first member's arrival

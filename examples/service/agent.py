@@ -13,7 +13,6 @@ import asyncio
 import sys
 
 import openai
-
 from areal_env_client import AgentRunner
 
 CAPITALS = [

@@ -115,7 +115,12 @@ async def test_source_reloads_acknowledged_trajectories_and_consumes_each_once(s
     ledger = store.consumed_ledger()
     assert sorted(s for s, _, _ in ledger) == ["a1", "a2", "b1", "b2", "x1", "x2"]
     assert {s: step for s, step, _ in ledger} == {
-        "a1": 1, "a2": 1, "b1": 2, "b2": 2, "x1": 3, "x2": 3
+        "a1": 1,
+        "a2": 1,
+        "b1": 2,
+        "b2": 2,
+        "x1": 3,
+        "x2": 3,
     }
     store.close()
 

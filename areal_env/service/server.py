@@ -371,7 +371,8 @@ async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
         await asyncio.to_thread(svc.stop)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_command_line(argv: list[str] | None) -> tuple[str | None, list[str]]:
+    """``(config path, overrides)``; options may stand anywhere among the overrides."""
     p = argparse.ArgumentParser(
         prog="areal-env serve-training",
         description="Any-agent training service: external agents train the model over HTTP. "
@@ -390,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"service.host={args.host}")
     if args.port is not None:
         overrides.append(f"service.port={args.port}")
+    return config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, overrides = parse_command_line(argv)
     try:
         cfg, service = load_service_config(config, overrides)
     except ConfigError as e:

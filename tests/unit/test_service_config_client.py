@@ -105,3 +105,87 @@ def test_client_module_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_command_line_options_may_stand_between_overrides():
+    from areal_env.service.server import parse_command_line
+
+    config, overrides = parse_command_line(
+        ["c.yaml", "rollout.n_samples=2", "--host", "127.0.0.2", "service.port=5", "--port", "7"]
+    )
+    assert config == "c.yaml"
+    assert overrides == [
+        "rollout.n_samples=2",
+        "service.port=5",
+        "service.host=127.0.0.2",
+        "service.port=7",
+    ]
+
+
+def test_a_finished_trial_and_a_busy_port_are_refused_before_the_model_loads(tmp_path, capsys):
+    import json
+    import socket
+
+    from areal_env.service.server import finished_message, serve_training
+
+    cfg, svc = load_service_config(
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=e",
+            "trial_name=t",
+            "trainer.total_train_steps=2",
+        ],
+    )
+    assert finished_message(cfg) is None
+    step = cfg.run_dir / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "version": 2}))
+    message = finished_message(cfg)
+    assert message is not None and "already finished" in message and "trial_name" in message
+    assert asyncio.run(serve_training(cfg, svc)) == 2
+    assert "already finished" in capsys.readouterr().err
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg, svc = load_service_config(
+            None, [f"fileroot={tmp_path}", "trial_name=busy", f"service.port={port}"]
+        )
+        assert asyncio.run(serve_training(cfg, svc)) == 2  # fails fast: no engine is created
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err
+
+
+def test_usage_is_read_from_json_bodies_and_every_stream_shape():
+    from areal_env.service.gateway import usage_tokens
+
+    body = b'{"id": "x", "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}'
+    assert usage_tokens("application/json", body, b"") == 10
+    openai_sse = (
+        b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert usage_tokens("text/event-stream", openai_sse, openai_sse) == 7
+    anthropic_sse = (
+        b'event: message_start\ndata: {"type": "message_start", "message": {"usage": '
+        b'{"input_tokens": 9, "output_tokens": 1}}}\n\n'
+        b'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 4}}\n\n'
+    )
+    assert usage_tokens("text/event-stream", anthropic_sse, b"") == 14
+    responses_sse = (
+        b'data: {"type": "response.completed", "response": {"usage": '
+        b'{"input_tokens": 6, "output_tokens": 2}}}\n\n'
+    )
+    assert usage_tokens("text/event-stream", b"", responses_sse) == 8
+    assert usage_tokens("text/event-stream", b"data: {}\n\n", b"") == 0
+
+
+def test_session_urls_are_stripped_back_to_the_service():
+    from areal_env.service.client import strip_session_path
+
+    assert strip_session_path("http://h:1/s/sess-abc/v1") == "http://h:1"
+    assert strip_session_path("http://h:1/prefix/v1/") == "http://h:1/prefix"
+    assert strip_session_path("http://h:1/s/sess-abc") == "http://h:1"

@@ -243,7 +243,7 @@ async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack
     _, stats = await service_stack.source.rollout_batch(trainer_version=0, timeout=10)
     episode = service_stack.source.last_episodes[0]
     rewards = {it["id"]: it["reward"] for it in episode["interactions"]}
-    assert rewards[chat.id] == 3.0  # 2.0 set on it + the final 1.0 (it is the last completion)
+    assert rewards[chat.id] == 1.0  # 2.0 set on it, replaced by the final 1.0 (the last one)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import asyncio
 import errno
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -76,6 +77,7 @@ PATH_SESSION_HEADER = "x-areal-path-session"
 """Set by ``SessionPathApp`` from ``/s/{id}/...`` URLs (never forwarded)."""
 RESTARTED = "the service restarted while the session was open; start a new session"
 _USAGE_HEAD = 8192
+_USAGE_RE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
 _USAGE_TAIL = 65536
 _MODEL_POSTS = {
     routes.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
@@ -138,16 +140,25 @@ def _usage_of(obj: Any) -> int:
     return total
 
 
-def usage_tokens(content_type: str, head: bytes, tail: bytes) -> int:
+def usage_tokens(content_type: str, head: bytes, tail: bytes, *, whole: bool = False) -> int:
     """Tokens an answer reports in its ``usage`` (a JSON body, or the events of an SSE stream:
     OpenAI's final chunk, Responses' ``response.completed``, Anthropic's ``message_start`` +
-    ``message_delta``). 0 when it reports none (the export reconciles at finalize)."""
+    ``message_delta``). ``head``/``tail``: the first and last bytes of the body (``whole``:
+    ``tail`` is all of it). 0 when it reports none (the export reconciles at finalize)."""
     if "text/event-stream" not in content_type:
+        if whole:
+            try:
+                data = json.loads(tail)
+            except ValueError:
+                return 0
+            return _usage_of(data.get("usage")) if isinstance(data, dict) else 0
+        found = _USAGE_RE.search(tail)  # a huge body: usage is near its end
+        if found is None:
+            return 0
         try:
-            data = json.loads(head + tail if len(head) < _USAGE_HEAD else head)
+            return _usage_of(json.loads(found.group(1)))
         except ValueError:
             return 0
-        return _usage_of(data.get("usage")) if isinstance(data, dict) else 0
     total = 0
     seen: set[bytes] = set()
     for chunk in (head, tail):
@@ -736,6 +747,7 @@ class Gateway:
         content_type = resp.headers.get("content-type", "")
         head = bytearray()
         tail = bytearray()
+        size = 0
         closed = False
 
         async def done() -> None:
@@ -750,13 +762,18 @@ class Gateway:
                 sess.last_used = time.monotonic()
             await resp.aclose()
             if user is not None and resp.status_code < 400:
-                self._count_tokens(sess, user, usage_tokens(content_type, bytes(head), bytes(tail)))
+                tokens = usage_tokens(
+                    content_type, bytes(head), bytes(tail), whole=size == len(tail)
+                )
+                self._count_tokens(sess, user, tokens)
             if on_close is not None:
                 await on_close()
 
         async def body_iter():
+            nonlocal size
             try:
                 async for chunk in resp.aiter_raw():
+                    size += len(chunk)
                     if len(head) < _USAGE_HEAD:
                         head.extend(chunk[: _USAGE_HEAD - len(head)])
                     tail.extend(chunk)

@@ -293,6 +293,7 @@ async def _train(cfg: ExperimentConfig, svc: TrainingService) -> dict[str, Any] 
             return None
         finally:
             trainer.close()  # metrics files; the engine stays with the service
+        svc.gateway.drain()  # before anyone can read "finished": no session starts after it
         if result is not None:
             print(
                 f"training finished: step {result.get('step')}, version {result.get('version')}",

@@ -162,7 +162,9 @@ def test_usage_is_read_from_json_bodies_and_every_stream_shape():
     from areal_env.service.gateway import usage_tokens
 
     body = b'{"id": "x", "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}'
-    assert usage_tokens("application/json", body, b"") == 10
+    assert usage_tokens("application/json", body, body, whole=True) == 10
+    assert usage_tokens("application/json", b"{", b'xx"usage": {"prompt_tokens": 4}}') == 4
+    assert usage_tokens("application/json", body, body + body) == 10  # truncated: the tail
     openai_sse = (
         b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n'
         b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'

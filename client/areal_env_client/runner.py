@@ -1,7 +1,7 @@
 """``AgentRunner``: run an async agent over a dataset through the training service.
 
-Retries are sized to outlast a service restart: connection failures and 502/503/504 answers
-(also a session the service lost in a restart) are retried in a fresh session with exponential
+Retries are sized to outlast a service restart: connection failures and 410/502/503/504
+answers (410: a session the service lost, e.g. in a restart) are retried in a fresh session with exponential
 backoff (honouring ``Retry-After``) for up to ``retry_for`` seconds; "busy" answers (429: a
 quota, or the trainer has enough rollouts in flight) for up to ``patience`` seconds. An attempt
 that will not be retried tells the service so, and its GRPO group stops waiting for it.
@@ -25,8 +25,9 @@ from areal_env_client.session import AgentServiceError, AgentSession, default_se
 
 logger = logging.getLogger(__name__)
 
-TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
-"""HTTP statuses worth retrying with a new session (capacity, quota, restart, backend loss)."""
+TRANSIENT_STATUS = frozenset({410, 429, 502, 503, 504})
+"""HTTP statuses worth retrying with a new session (410: the session was lost, e.g. in a
+restart; capacity, quota, shutdown, backend loss)."""
 
 
 def _status_of(exc: BaseException) -> int | None:

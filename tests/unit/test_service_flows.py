@@ -269,7 +269,7 @@ async def test_gateway_restart_keeps_keys_sessions_and_acknowledged_trajectories
                 json={"model": "m", "messages": QUESTION},
                 headers={**auth, SESSION_HEADER: left_open.session_id},
             )
-            assert r.status_code == 503 and "start a new session" in r.json()["error"]["message"]
+            assert r.status_code == 410 and "start a new session" in r.json()["error"]["message"]
             r = await h.post(
                 "/rl/v1/finalize",
                 json={"status": "failed"},

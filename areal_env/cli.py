@@ -11,6 +11,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "areal_env.trainer.cli",
         "Train: areal-env train CONFIG.yaml [section.key=value ...]",
     ),
+    "launch": (
+        "areal_env.launch.local",
+        "Start inference servers, then torchrun trainer ranks: areal-env launch CONFIG.yaml",
+    ),
     "demo": ("areal_env.demo", "The main job: a short training run on the embedded default model"),
     "serve": (
         "areal_env.engine.server",

@@ -85,6 +85,12 @@ class SGLangConfig:
     """Seconds to wait for a launched server to become healthy."""
     launch_command: list[str] = field(default_factory=list)
     """Replaces ``python -m sglang.launch_server`` (e.g. ``[areal-env, serve]`` on a CPU box)."""
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """disk = one HF folder written per step, every server loads it (/update_weights_from_disk);
+    nccl = rank 0 broadcasts the tensors over a process group shared with the servers
+    (SGLang's init_weights_update_group + update_weights_from_distributed; GPUs only)."""
+    weight_sync_port: int = 29650
+    """With weight_sync nccl: the port of the weight-update group's store on rank 0's host."""
 
     def validate(self) -> None:
         if self.num_servers < 1:
@@ -201,8 +207,43 @@ class RolloutConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``peft``): only the adapter weights are trained, saved and pushed."""
+
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """Scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Module names to adapt (e.g. add gate_proj, up_proj, down_proj for the MLP)."""
+
+    def validate(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"actor.lora.r={self.r!r} must be >= 1")
+        if self.alpha <= 0:
+            raise ConfigError(f"actor.lora.alpha={self.alpha!r} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"actor.lora.dropout={self.dropout!r} must be in [0, 1)")
+        if not self.target_modules:
+            raise ConfigError("actor.lora.target_modules is empty; e.g. [q_proj, v_proj]")
+
+
+@dataclass
 class ActorConfig:
     """The PPO update."""
+
+    strategy: Literal["single", "fsdp"] = "single"
+    """single = one process holds the whole model; fsdp = FSDP2 sharding over the torchrun
+    ranks (gloo on CPU, NCCL on GPU; run under torchrun: see docs/scaling.md)."""
+    fsdp_cpu_offload: bool = False
+    """With strategy fsdp: keep sharded parameters, gradients and optimizer states in host
+    memory (fits bigger models, slower steps)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters, e.g. {r: 16, alpha: 32}; None = full fine-tuning."""
 
     lr: float = 1e-5
     """AdamW learning rate."""

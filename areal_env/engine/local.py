@@ -27,6 +27,12 @@ from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.engine._kv import _GROW, BatchKV
 from areal_env.engine._prefix import PrefixCache
 from areal_env.engine._sampling import RowSampling, sample_rows
+from areal_env.engine.lora import (
+    apply_adapter,
+    is_adapter_folder,
+    load_adapter_folder,
+    split_adapter,
+)
 
 if TYPE_CHECKING:
     from areal_env.api.config import EngineConfig, ModelConfig
@@ -102,6 +108,8 @@ class LocalEngine:
     """In-process transformers engine with continuous batching (implements ``InferenceEngine``)."""
 
     supports_state_dict_update = True
+    supports_lora = True
+    """``update_weights(folder)`` also takes a peft LoRA adapter folder (merged into the base)."""
 
     def __init__(
         self,
@@ -308,7 +316,10 @@ class LocalEngine:
                 self._cv.wait()
         try:
             t0 = time.perf_counter()
-            if isinstance(weights, (str, os.PathLike)):
+            if isinstance(weights, (str, os.PathLike)) and is_adapter_folder(weights):
+                self._apply_adapter(str(weights))
+                state = None
+            elif isinstance(weights, (str, os.PathLike)):
                 state = self._load_folder(str(weights))
             elif isinstance(weights, dict):
                 state = weights
@@ -316,7 +327,9 @@ class LocalEngine:
                 raise TypeError(
                     f"update_weights takes a state dict or a path, got {type(weights)!r}"
                 )
-            self._load_state(state)
+            if state is not None:
+                self._load_state(state)
+                self._lora_base = {}  # new base weights: a later adapter merges onto these
             self._prefix.clear()  # cached KV belongs to the old weights
             with self._cv:
                 self._version += 1
@@ -347,6 +360,26 @@ class LocalEngine:
             with self._cv:
                 self._holders -= 1
                 self._cv.notify_all()
+
+    def _apply_adapter(self, path: str) -> None:
+        """Merge a LoRA adapter into the weights: ``W = W_base + (alpha / r) * B @ A``, always
+        from the base weights (a new adapter replaces the previous one, never stacks on it)."""
+        tensors, cfg = load_adapter_folder(path)
+        params = dict(self.model.named_parameters())
+        base = getattr(self, "_lora_base", None)
+        if base is None:
+            base = self._lora_base = {}
+        names = {n for n in split_adapter(tensors)}
+        for n in names:
+            if n not in params:
+                raise ValueError(f"update_weights: the adapter targets {n}, not in the model")
+            if n not in base:
+                base[n] = params[n].detach().clone()
+        merged = apply_adapter(base, tensors, cfg)
+        with torch.no_grad():
+            for n, w in merged.items():
+                params[n].copy_(w)
+        logger.info("LoRA adapter %s merged into %d weight matrices", path, len(merged))
 
     def _load_folder(self, path: str) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -118,7 +118,8 @@ def _stop_reason(finish_reason: Any) -> str:
 class SGLangEngine:
     """HTTP client for one or more SGLang(-compatible) servers.
 
-    New requests go round-robin; a request whose ``metadata["session_id"]`` (or
+    New requests go to the least-loaded healthy server (fewest requests in flight; ties
+    round-robin); a request whose ``metadata["session_id"]`` (or
     ``conversation_id``) or ``rid`` was seen before goes to the same server, so multi-turn agents
     reuse that server's prefix cache. Connection errors and 5xx answers are retried with
     exponential backoff; a server that stays down is reported by address as
@@ -127,6 +128,10 @@ class SGLangEngine:
 
     supports_state_dict_update = False
     """The trainer must save an HF folder and call ``update_weights(path)``."""
+    supports_lora = False
+    """True when the servers take a peft adapter folder on ``/update_weights_from_disk``
+    (``areal-env serve`` does): the trainer then pushes only the adapter. Real SGLang servers
+    load adapters through ``/load_lora_adapter`` instead (not wired yet): leave it False."""
 
     def __init__(
         self,
@@ -169,6 +174,7 @@ class SGLangEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._rr = 0
+        self._inflight: dict[str, int] = {}  # generations in flight per server
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._sticky_max = 100_000
         self._down_until: dict[str, float] = {}
@@ -314,17 +320,33 @@ class SGLangEngine:
             return addr, False
 
     def _next_healthy(self, exclude: set[str] | None = None) -> str:
+        """The least-loaded server (fewest generations in flight) that is not marked down;
+        ties go round-robin."""
         now = time.monotonic()
         n = len(self.addresses)
-        for _ in range(n):
-            addr = self.addresses[self._rr % n]
-            self._rr += 1
-            if self._down_until.get(addr, 0.0) <= now and addr not in (exclude or ()):
-                return addr
+        order = [self.addresses[(self._rr + i) % n] for i in range(n)]
+        healthy = [
+            a for a in order if self._down_until.get(a, 0.0) <= now and a not in (exclude or ())
+        ]
+        if healthy:
+            addr = min(healthy, key=lambda a: self._inflight.get(a, 0))
+            self._rr = (self.addresses.index(addr) + 1) % n
+            return addr
         # Everything looks down: try the next one anyway (it may be back).
         addr = self.addresses[self._rr % n]
         self._rr += 1
         return addr
+
+    @contextlib.contextmanager
+    def _in_flight(self, addr: str) -> Iterator[None]:
+        """Count a request against ``addr`` while it runs (least-loaded routing reads it)."""
+        with self._lock:
+            self._inflight[addr] = self._inflight.get(addr, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inflight[addr] -= 1
 
     def _remember(self, keys: list[str], addr: str) -> None:
         for key in keys:
@@ -426,9 +448,18 @@ class SGLangEngine:
             t.start()
         for t in threads:
             t.join()
-        for err in errors:
-            if err is not None:
-                raise err
+        failed = [(a, e) for a, e in zip(self.addresses, errors, strict=True) if e is not None]
+        if len(failed) == 1:
+            raise failed[0][1]  # type: ignore[misc]
+        if failed:
+            # Every failing server by address, as the first failure's type when all agree.
+            detail = "; ".join(f"{a}: {type(e).__name__}: {e}" for a, e in failed)
+            message = f"{path} failed on {len(failed)} of {len(self.addresses)} servers: {detail}"
+            kinds = {type(e) for _, e in failed}
+            kind = kinds.pop() if len(kinds) == 1 else EngineUnavailableError
+            if kind not in (ValueError, RuntimeError, EngineUnavailableError):
+                kind = EngineUnavailableError
+            raise kind(message)
         return results
 
     # ------------------------------------------------------------------ generation
@@ -463,7 +494,8 @@ class SGLangEngine:
         tried: set[str] = set()
         while True:
             try:
-                out = await self._apost(addr, routes.GENERATE, payload)
+                with self._in_flight(addr):
+                    out = await self._apost(addr, routes.GENERATE, payload)
                 self._mark_up(addr)
                 return addr, out
             except EngineUnavailableError:
@@ -619,6 +651,8 @@ class SGLangEngine:
                 continue
             break
         self._mark_up(addr)
+        with self._lock:
+            self._inflight[addr] = self._inflight.get(addr, 0) + 1
         try:
             if resp.status_code >= 400:
                 await resp.aread()
@@ -640,6 +674,8 @@ class SGLangEngine:
             except httpx.TransportError as e:
                 raise EngineUnavailableError(f"server {addr} broke the stream: {e}") from None
         finally:
+            with self._lock:
+                self._inflight[addr] -= 1
             await resp.aclose()
 
     # ------------------------------------------------------------------ control

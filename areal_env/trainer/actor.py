@@ -18,13 +18,25 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
+from areal_env.api.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
 from areal_env.trainer import memory
 from areal_env.trainer.advantages import group_advantages, shape_rewards, token_advantages
+from areal_env.trainer.dist import (
+    SINGLE,
+    DistContext,
+    all_reduce_sums,
+    all_reduce_tensor,
+    full_state_dict,
+    init_distributed,
+    padded_micro_batches,
+    shard_model,
+    to_local_float,
+)
 from areal_env.trainer.tree import (
     enable_tree_attention,
     pack_rows,
@@ -132,6 +144,52 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def scored_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sel_next: torch.Tensor,
+) -> torch.Tensor:
+    """Logits at the positions ``sel_next`` [B, L-1] selects (position p predicts token p+1).
+
+    For plain-head models only the selected positions go through the LM head. A LoRA
+    (``peft``) wrapper is looked through; a sharded (FSDP) model runs this as a registered
+    forward method (see ``install_scored_forward``) so its root parameters are gathered.
+    """
+    fn = getattr(model, "areal_scored_logits", None)
+    if fn is not None:
+        return fn(input_ids, attention_mask, sel_next)
+    return _scored_logits_impl(model, input_ids, attention_mask, sel_next)
+
+
+def _scored_logits_impl(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sel_next: torch.Tensor,
+) -> torch.Tensor:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(inner).__name__ in _PLAIN_HEAD_MODELS:
+        hidden = inner.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )[0]
+        return inner.get_output_embeddings()(hidden[:, :-1][sel_next])
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.logits[:, :-1][sel_next]
+
+
+def install_scored_forward(model: torch.nn.Module) -> None:
+    """Make ``scored_logits`` a forward method of ``model`` that FSDP hooks: the root's sharded
+    parameters (embeddings, final norm, LM head) are gathered before it runs and its gradients
+    reduced after, exactly as for ``forward``."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.areal_scored_logits = types.MethodType(_scored_logits_impl, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_scored_logits")
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -146,13 +204,7 @@ def token_logprobs(
     order, under ``softmax(logits / temperature)`` — the distribution the sampler drew from."""
     sel_next = mask[:, 1:]  # position p predicts token p+1
     targets = input_ids[:, 1:][sel_next]
-    if type(model).__name__ in _PLAIN_HEAD_MODELS:
-        base = model.get_decoder()
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
-        logits = model.get_output_embeddings()(hidden[:, :-1][sel_next])
-    else:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        logits = out.logits[:, :-1][sel_next]
+    logits = scored_logits(model, input_ids, attention_mask, sel_next)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -229,40 +281,37 @@ class PPOActor:
         temperature: float = 1.0,
         seed: int = 1,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg = actor
         self.model_cfg = model_cfg or ModelConfig()
         self.temperature = float(actor.temperature or temperature or 1.0)
         self.seed = seed
-        self.device = resolve_device(self.model_cfg.device)
+        self.dist: DistContext = SINGLE
+        if actor.strategy == "fsdp":
+            self.dist = init_distributed(self.model_cfg.device)
+            self.device = self.dist.device
+        else:
+            self.device = resolve_device(self.model_cfg.device)
         self.dtype = resolve_dtype(self.model_cfg.dtype, self.device)
+        # FSDP keeps fp32 master weights and computes in bf16 on GPU (mixed precision).
+        self.mixed_precision = actor.strategy == "fsdp" and self.dtype != torch.float32
         self.model_path = model_path
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(
-            self.device
-        )
-        self.model.config.use_cache = False
-        if self.model_cfg.gradient_checkpointing:
-            _enable_checkpointing(self.model)
-        self.model.train()
-        if actor.tree_training != "off":
-            enable_tree_attention(self.model)
+        self.model = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
+        if actor.strategy == "fsdp":
+            # Sharded ranks must run the same passes; tree packing varies them per rank.
+            self.tree_unsupported = "strategy fsdp runs flat micro-batches"
+        elif actor.lora is not None:
+            self.tree_unsupported = "LoRA adapters run flat micro-batches"
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
             )
         self.ref_model = None
         if actor.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(
-                self.device
-            )
-            self.ref_model.eval().requires_grad_(False)
-            if actor.tree_training != "off":
-                enable_tree_attention(self.ref_model)
+            self.ref_model = self._load(model_path, trainable=False)
         params = [p for p in self.model.parameters() if p.requires_grad]
         kwargs: dict[str, Any] = {}
-        if self.device.type == "cpu" or self.device.type == "cuda":
+        if actor.strategy == "single" and self.device.type in ("cpu", "cuda"):
             kwargs["fused"] = True
         try:
             self.optimizer = torch.optim.AdamW(
@@ -277,6 +326,38 @@ class PPOActor:
                 params, lr=actor.lr, betas=tuple(actor.adam_betas), weight_decay=actor.weight_decay
             )
         self.update_count = 0
+
+    def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
+        """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
+        from transformers import AutoModelForCausalLM
+
+        load_dtype = torch.float32 if self.mixed_precision else self.dtype
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
+        model.config.use_cache = False
+        if trainable and self.cfg.lora is not None:
+            model = apply_lora(model, self.cfg.lora)
+        if not self.cfg.fsdp_cpu_offload or self.cfg.strategy != "fsdp":
+            model = model.to(self.device)
+        if trainable:
+            if self.model_cfg.gradient_checkpointing:
+                _enable_checkpointing(model)
+            model.train()
+        else:
+            model.eval().requires_grad_(False)
+        if (
+            self.cfg.tree_training != "off"
+            and self.cfg.strategy == "single"
+            and not (trainable and self.cfg.lora is not None)
+        ):
+            enable_tree_attention(model)
+        if self.cfg.strategy == "fsdp":
+            shard_model(
+                model,
+                mixed_precision=self.mixed_precision,
+                cpu_offload=self.cfg.fsdp_cpu_offload,
+            )
+            install_scored_forward(model)
+        return model
 
     # -- logprobs ---------------------------------------------------------------------------
 
@@ -293,14 +374,24 @@ class PPOActor:
         lengths = _row_lengths(attn)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)
         rows = list(range(len(lengths)))
-        plan = self.plan_micro_batches(batch["input_ids"], lengths, rows)
-        for mb in plan.groups:
+        if self.dist.distributed:
+            groups = padded_micro_batches(rows, lengths, self.cfg.micro_batch_tokens, self.dist)
+            tree = False
+        else:
+            plan = self.plan_micro_batches(batch["input_ids"], lengths, rows)
+            groups, tree = list(plan.groups), plan.tree
+        for mb in groups:
+            if mb is None:  # this rank has no rows left: keep the collectives in step
+                token_logprobs(
+                    model, input_ids[:1, :2], attn[:1, :2], _first_token_mask(2).to(self.device)
+                )
+                continue
             idx = torch.tensor(mb, device=self.device)
             width = max(lengths[r] for r in mb)
             m = mask[idx, :width]
-            if not m.any():
+            if not m.any() and not self.dist.distributed:
                 continue
-            if plan.tree:
+            if tree:
                 lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb)
             else:
                 lp, _ = token_logprobs(
@@ -309,6 +400,7 @@ class PPOActor:
             sub = torch.zeros(m.shape, dtype=torch.float32, device=self.device)
             sub[m] = lp.float()
             out[idx, :width] = sub
+        out = all_reduce_tensor(out, self.dist)  # each row was scored on exactly one rank
         return out.cpu()
 
     # -- micro-batching (flat or tree-packed) ------------------------------------------------
@@ -423,6 +515,8 @@ class PPOActor:
         n_tokens = int(pb.mask.sum())
         stats["actor/scored_tokens"] = float(n_tokens)
         stats["actor/rows"] = float(pb.mask.shape[0])
+        if self.dist.distributed:
+            stats["dist/world_size"] = float(self.dist.world_size)
         signal = bool((pb.adv[pb.mask] != 0).any()) if n_tokens else False
         if n_tokens == 0 or (not signal and a.kl_coef == 0 and a.entropy_coef == 0):
             # Every advantage is 0: the PPO gradient is exactly 0, so an optimiser step would only
@@ -442,6 +536,7 @@ class PPOActor:
         trained_tokens = 0
         packed_tokens = 0
         tree_used = False
+        local_rows = 0  # rows this rank trained on (all of them on one rank)
         for _ in range(a.ppo_epochs):
             perm = torch.randperm(n_rows, generator=gen).tolist()
             n_mb = min(a.ppo_n_minibatches, n_rows)
@@ -451,17 +546,41 @@ class PPOActor:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
-                plan = self.plan_micro_batches(pb.input_ids, pb.lengths, mb_rows)
-                packed_tokens += plan.computed_tokens
-                tree_used = tree_used or plan.tree
-                for micro in plan.groups:
-                    loss_sum, diag = self._micro_loss(pb, micro, tree=plan.tree)
-                    (loss_sum / mb_tokens).backward()
+                # Each rank takes its token-balanced share of the minibatch; the loss is divided
+                # by the minibatch's global token count and multiplied by the world size because
+                # FSDP averages gradients over ranks: the reduced gradient is the 1-rank one.
+                scale = self.dist.world_size / mb_tokens
+                micros: list[list[int] | None]
+                if self.dist.distributed:
+                    micros = padded_micro_batches(
+                        mb_rows, pb.lengths, a.micro_batch_tokens, self.dist
+                    )
+                    tree = False
+                    packed_tokens += sum(pb.lengths[r] for r in mb_rows)
+                else:
+                    plan = self.plan_micro_batches(pb.input_ids, pb.lengths, mb_rows)
+                    micros, tree = list(plan.groups), plan.tree
+                    packed_tokens += plan.computed_tokens
+                tree_used = tree_used or tree
+                for i, micro in enumerate(micros):
+                    _set_gradient_sync(self.model, i == len(micros) - 1)
+                    if micro is None:  # padding: same passes on every rank, zero gradient
+                        loss_sum, _ = self._micro_loss(pb, mb_rows[:1], force=True)
+                        (loss_sum * 0.0).backward()
+                        continue
+                    loss_sum, diag = self._micro_loss(
+                        pb, micro, tree=tree, force=self.dist.distributed
+                    )
+                    local_rows += len(micro)
+                    (loss_sum * scale).backward()
                     mb_loss += float(loss_sum.detach()) / mb_tokens
                     for k, v in diag.items():
                         sums[k] = sums.get(k, 0.0) + v
-                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
-                gnorm_f = float(gnorm)
+                mb_loss = all_reduce_sums({"loss": mb_loss}, self.dist)["loss"]
+                gnorm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], a.max_grad_norm
+                )
+                gnorm_f = to_local_float(gnorm)
                 if not math.isfinite(gnorm_f):
                     skipped_nonfinite += 1
                     logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
@@ -473,6 +592,11 @@ class PPOActor:
                 trained_tokens += sum(pb.lengths[r] for r in mb_rows)
         self.optimizer.zero_grad(set_to_none=True)
         self.update_count += 1
+        if self.dist.distributed:
+            keys = ("n", "clipped", "approx_kl", "ratio", "entropy", "ref_kl", "behav_imp_weight")
+            present = {k: sums.get(k, 0.0) for k in keys}
+            reduced = all_reduce_sums(present, self.dist)
+            sums = {k: v for k, v in reduced.items() if k in sums or k in ("n",) or v != 0.0}
         denom = max(sums.get("n", 0.0), 1.0)
         elapsed = time.perf_counter() - t_start
         stats.update(
@@ -494,6 +618,8 @@ class PPOActor:
                 "mem/update_peak_rss_gb": memory.peak_rss_gb(),
             }
         )
+        if self.dist.distributed:
+            stats["dist/rank0_rows"] = float(local_rows)  # rank 0 logs: its share of the rows
         if "ref_kl" in sums:
             stats["actor/ref_kl"] = sums["ref_kl"] / denom
         if "behav_imp_weight" in sums:
@@ -501,14 +627,26 @@ class PPOActor:
         return stats
 
     def _micro_loss(
-        self, pb: PreparedBatch, rows: list[int], *, tree: bool = False
+        self, pb: PreparedBatch, rows: list[int], *, tree: bool = False, force: bool = False
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Summed token loss of ``rows``. ``force``: run the model even when no token is scored
+        (a sharded model's collectives need the same passes on every rank)."""
         a = self.cfg
         width = max(pb.lengths[r] for r in rows)
         idx = torch.tensor(rows)
         m = pb.mask[idx, :width]
         if not m.any():
-            return torch.zeros((), requires_grad=True), {}
+            if not force:
+                return torch.zeros((), requires_grad=True), {}
+            m = _first_token_mask(width).expand(len(rows), -1)
+            logp, _ = token_logprobs(
+                self.model,
+                pb.input_ids[idx, :width].to(self.device),
+                pb.attention_mask[idx, :width].to(self.device),
+                m.to(self.device),
+                self.temperature,
+            )
+            return logp.sum() * 0.0, {}
         dev = self.device
         if tree:
             logp, ent = self._tree_logprobs(
@@ -558,9 +696,44 @@ class PPOActor:
     # -- weights ----------------------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the weights (the engine must never alias the tensors the optimiser
-        keeps changing)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A detached CPU copy of the full weights (the engine must never alias the tensors the
+        optimiser keeps changing). Collective under FSDP: every rank calls it, rank 0 gets the
+        weights, the others an empty dict. With LoRA: the merged weights (base + adapter)."""
+        if self.cfg.lora is not None:
+            return merged_lora_state_dict(self.model, self.dist)
+        return full_state_dict(self.model)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable (LoRA adapter) weights only, full on rank 0 (collective under FSDP)."""
+        return full_state_dict(self.model, trainable_only=True)
+
+    def export_hf(self, folder: Path) -> int:
+        """Write the full model (LoRA merged in) as an HF folder; with LoRA also the adapter
+        alone under ``folder/adapter``. Collective under FSDP; rank 0 writes. Returns the bytes
+        written on rank 0 (0 elsewhere)."""
+        sd = self.state_dict_for_engine()
+        adapter = self.adapter_state_dict() if self.cfg.lora is not None else None
+        if not self.dist.is_main:
+            return 0
+        folder = Path(folder)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base.save_pretrained(str(folder), state_dict=sd, safe_serialization=True)
+        if adapter is not None:
+            self.save_adapter(folder / "adapter", adapter)
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+    def save_adapter(self, folder: Path, adapter: dict[str, torch.Tensor] | None = None) -> int:
+        """Write the LoRA adapter (peft layout: adapter_model.safetensors + adapter_config.json)
+        and return its size in bytes. Collective under FSDP when ``adapter`` is not given."""
+        from areal_env.engine.lora import save_adapter_folder
+
+        if adapter is None:
+            adapter = self.adapter_state_dict()
+        if not self.dist.is_main:
+            return 0
+        pcfg = self.model.peft_config["default"].to_dict()
+        pcfg["base_model_name_or_path"] = self.model_path
+        return save_adapter_folder(folder, adapter, pcfg)
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:
@@ -570,6 +743,55 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Under FSDP reduce gradients only after the last micro-batch of a minibatch."""
+    fn = getattr(model, "set_requires_gradient_sync", None)
+    if fn is not None:
+        fn(sync)
+
+
+def _first_token_mask(width: int) -> torch.Tensor:
+    """A [1, width] mask scoring only position 1: a minimal pass for padding micro-batches."""
+    m = torch.zeros(1, width, dtype=torch.bool)
+    m[0, min(1, width - 1)] = True
+    return m
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is a dependency
+        raise RuntimeError("actor.lora needs the `peft` package: pip install peft") from e
+    cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    wrapped = get_peft_model(model, cfg)
+    n_train = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in wrapped.parameters())
+    logger.info(
+        "LoRA: %d of %d parameters trainable (%.2f%%)", n_train, n_all, 100 * n_train / n_all
+    )
+    return wrapped
+
+
+def merged_lora_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Base weights with the adapters merged in, under the base model's own names (what a
+    server without LoRA support loads). Collective under FSDP; rank 0 gets the weights."""
+    full = full_state_dict(model)
+    if not full:
+        return {}
+    from areal_env.engine.lora import merge_lora_weights
+
+    return merge_lora_weights(full, model.peft_config["default"])
 
 
 def _row_lengths(attn: torch.Tensor) -> list[int]:

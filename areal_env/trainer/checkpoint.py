@@ -1,8 +1,16 @@
-"""Checkpoints: ``run_dir/checkpoints/step_{N}/`` holds an HF model folder (``model/``), the
-optimiser state and the trainer state (step, epoch, data position, RNG states, version).
+"""Checkpoints: ``run_dir/checkpoints/step_{N}/`` holds the model and optimiser state as a
+``torch.distributed.checkpoint`` folder (``state/``: sharded, one file per rank), an HF model
+folder for serving (``model/``; with LoRA also ``model/adapter/``) and the trainer state (step,
+epoch, data position, RNG states, version).
+
+``state/`` is resharded on load, so a run saved by 2 FSDP ranks resumes on 1 process (FSDP or
+``strategy: single``) and the other way round. Under FSDP every rank calls ``save_checkpoint`` /
+``restore_checkpoint`` (they are collective); rank 0 writes the shared files. On several nodes
+``run_dir`` must be on a filesystem every node sees.
 
 Written atomically — into a temporary folder renamed into place, then the ``latest`` pointer file
 replaced — so a run killed mid-save leaves the previous checkpoint intact and never a half one.
+Older checkpoints (``model/`` + ``optimizer.pt``, no ``state/``) still load.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
 OPTIM_FILE = "optimizer.pt"
 MODEL_DIR = "model"
+STATE_DIR = "state"
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,8 +72,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
+    export_hf: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
+
+    ``export_hf(folder)``: writes the servable HF folder (collective under FSDP: it gathers the
+    full weights); default ``model.save_pretrained``.
 
     Any failure raises :class:`CheckpointWriteError` and leaves the previous checkpoint the
     latest (the temporary folder is removed, so a full disk gets its space back).
@@ -77,6 +91,7 @@ def save_checkpoint(
             optimizer=optimizer,
             trainer_state=trainer_state,
             keep_last=keep_last,
+            export_hf=export_hf,
         )
     except CheckpointWriteError:
         raise
@@ -97,35 +112,73 @@ def _save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     keep_last: int | None,
+    export_hf: Callable[[Path], None] | None,
 ) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
+    import torch.distributed.checkpoint as dcp
+
+    from areal_env.trainer.dist import barrier, broadcast_object, current_context
+
+    ctx = current_context()
     final = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=root))
+    tmp_name = None
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp_name = tempfile.mkdtemp(prefix=f".step_{step}.", dir=root)
+    tmp = Path(broadcast_object(tmp_name, ctx))
     try:
-        model.save_pretrained(str(tmp / MODEL_DIR), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIM_FILE)
-        torch.save(rng_state(), tmp / RNG_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        msd, osd = _state_dicts(model, optimizer)
+        dcp.save(
+            {"model": msd, "optim": osd}, checkpoint_id=str(tmp / STATE_DIR), no_dist=_no_dist()
+        )
+        if export_hf is not None:
+            export_hf(tmp / MODEL_DIR)
+        elif ctx.is_main:
+            model.save_pretrained(str(tmp / MODEL_DIR), safe_serialization=True)
+        if ctx.is_main:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+            torch.save(rng_state(), tmp / RNG_FILE)
+            state = {**trainer_state, "step": step, "world_size": ctx.world_size}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        barrier(ctx)
     finally:
-        if tmp.exists():
+        if ctx.is_main and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    try:
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / LATEST)
-    except BaseException:
-        pointer_tmp.unlink(missing_ok=True)
-        raise
-    logger.info("checkpoint saved: %s", final)
-    if keep_last:
-        _prune(root, keep_last, final.name)
+    if ctx.is_main:
+        pointer_tmp = root / f".{LATEST}.tmp"
+        try:
+            pointer_tmp.write_text(final.name + "\n")
+            os.replace(pointer_tmp, root / LATEST)
+        except BaseException:
+            pointer_tmp.unlink(missing_ok=True)
+            raise
+        logger.info("checkpoint saved: %s (%d rank(s))", final, ctx.world_size)
+        if keep_last:
+            _prune(root, keep_last, final.name)
+    barrier(ctx)
     return final
+
+
+def _no_dist() -> bool:
+    """No process group: save/load in this process alone (what DCP would assume anyway)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _state_dicts(
+    model: Any, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimiser state keyed by parameter names (sharded DTensors under FSDP, plain
+    tensors otherwise): the form ``torch.distributed.checkpoint`` reshards between world sizes."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    return get_state_dict(model, optimizer)
 
 
 def _prune(root: Path, keep: int, current: str) -> None:
@@ -158,7 +211,33 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 def restore_checkpoint(
     ckpt: Path, *, model: Any, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
-    """Load weights, optimiser and RNG states in place; return the trainer state."""
+    """Load weights, optimiser and RNG states in place; return the trainer state.
+
+    Collective under FSDP (every rank calls it). A ``state/`` folder written at any world size
+    loads at any other.
+    """
+    if (ckpt / STATE_DIR).is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        msd, osd = _state_dicts(model, optimizer)
+        bundle = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
+        dcp.load(bundle, checkpoint_id=str(ckpt / STATE_DIR), no_dist=_no_dist())
+        if optimizer is not None:
+            set_state_dict(
+                model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"]
+            )
+        else:
+            set_model_state_dict(model, bundle["model"])
+    else:
+        _restore_legacy(ckpt, model=model, optimizer=optimizer)
+    if (ckpt / RNG_FILE).is_file():
+        set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=False))
+    return load_trainer_state(ckpt)
+
+
+def _restore_legacy(ckpt: Path, *, model: Any, optimizer: torch.optim.Optimizer | None) -> None:
+    """A checkpoint from before sharded saving: an HF folder and ``optimizer.pt``."""
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -174,6 +253,3 @@ def restore_checkpoint(
         )
     if optimizer is not None and (ckpt / OPTIM_FILE).is_file():
         optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=False))
-    if (ckpt / RNG_FILE).is_file():
-        set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=False))
-    return load_trainer_state(ckpt)

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with PPOTrainer(cfg, cfg.train_dataset, cfg.valid_dataset) as trainer:
         final = trainer.train()
-    print(summarize(final))
+    if trainer.dist.is_main:  # under torchrun the other ranks only train
+        print(summarize(final))
     return 0
 
 

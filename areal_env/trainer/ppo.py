@@ -42,6 +42,7 @@ from areal_env.api.config import ExperimentConfig, validate_config
 from areal_env.trainer import checkpoint as ckpt
 from areal_env.trainer import memory
 from areal_env.trainer.data import DataLoader
+from areal_env.trainer.dist import SINGLE
 from areal_env.trainer.stats import MetricsLogger, Progress, dump_records, plot_reward_curve
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class PPOTrainer:
         self.version = 0
         self.last_metrics: dict[str, Any] = {}
         self._closed = False
+        self.dist = SINGLE
+        self.last_push_bytes = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -126,6 +129,10 @@ class PPOTrainer:
             self.engine = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.dist.distributed:
+            from areal_env.trainer.dist import destroy
+
+            destroy()
 
     @property
     def total_steps(self) -> int | None:
@@ -189,6 +196,10 @@ class PPOTrainer:
             )
         wf_kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
         self._seed_everything(cfg.seed)
+        self._join_process_group()
+        if not self.dist.is_main:
+            # Rollout runs once, on rank 0; this rank only trains on the rows it is sent.
+            return await asyncio.to_thread(self._follow)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
         await asyncio.to_thread(self._setup_models)
@@ -298,7 +309,7 @@ class PPOTrainer:
                     metrics["empty_batch"] = 1.0
                 else:
                     metrics["empty_batch"] = 0.0
-                    ustats = await asyncio.to_thread(self.actor.update, batch, step=self.step)
+                    ustats = await asyncio.to_thread(self._update, batch)
                     metrics.update(ustats)
                     if not ustats.get("actor/update_skipped"):
                         t0 = time.perf_counter()
@@ -350,6 +361,7 @@ class PPOTrainer:
                         logger.error("%s; training goes on and retries at the next save", e)
         finally:
             progress.close()
+            self._command({"op": "stop"})
             await self.executor.aclose()
             if eval_executor is not None:
                 await eval_executor.aclose()
@@ -388,13 +400,77 @@ class PPOTrainer:
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
 
+    def _join_process_group(self) -> None:
+        """Under torchrun with ``actor.strategy: fsdp``: join the ranks' process group."""
+        from areal_env.trainer.dist import init_distributed
+
+        self.dist = SINGLE
+        if self.config.actor.strategy == "fsdp":
+            self.dist = init_distributed(self.config.model.device)
+            if self.dist.distributed and self.external:
+                raise ValueError(
+                    "an external batch source runs in one process: use actor.strategy single, "
+                    "or run the service's trainer under torchrun without an external executor"
+                )
+
+    def _command(self, cmd: dict[str, Any]) -> None:
+        """Rank 0 tells the other ranks which collective comes next (no-op on one rank)."""
+        from areal_env.trainer.dist import broadcast_object
+
+        if self.dist.distributed and self.dist.is_main:
+            broadcast_object(cmd, self.dist)
+
+    def _update(self, batch: dict[str, Any]) -> dict[str, float]:
+        """The PPO update; every rank gets the batch and trains on its token-balanced share."""
+        self._command({"op": "update", "batch": batch, "step": self.step})
+        return self.actor.update(batch, step=self.step)
+
+    def _follow(self) -> dict[str, Any]:
+        """A rank other than 0: build the sharded actor, restore, then run the collectives rank
+        0 announces (update, weight gather, checkpoint) until it says stop."""
+        self._setup_models()
+        self._maybe_recover()
+        ops = 0
+        while True:
+            cmd = self._receive()
+            op = cmd["op"]
+            if op == "stop":
+                break
+            if op == "update":
+                self.step = int(cmd["step"])
+                self.actor.update(cmd["batch"], step=self.step)
+            elif op == "push":
+                self._gather_for_push(cmd["what"])
+            elif op == "save":
+                self.step = int(cmd["step"])
+                self._save_checkpoint()
+            else:  # pragma: no cover - both sides ship together
+                raise RuntimeError(f"rank {self.dist.rank}: unknown command {op!r}")
+            ops += 1
+        logger.info("rank %d: rank 0 finished; %d collective steps done", self.dist.rank, ops)
+        return {"rank": self.dist.rank, "collective_ops": ops}
+
+    def _receive(self) -> dict[str, Any]:
+        from areal_env.trainer.dist import broadcast_object
+
+        return broadcast_object(None, self.dist)
+
     def _setup_models(self) -> None:
-        """Engine (its own model copy) + the trainer's actor."""
+        """Engine (its own model copy) + the trainer's actor. Ranks other than 0 build only
+        their shard of the actor: they neither generate nor serve."""
         cfg = self.config
         from areal_env.engine.models import resolve_model_path
         from areal_env.trainer.actor import PPOActor
 
         model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+        if not self.dist.is_main:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.actor = PPOActor(
+                model_path, cfg.actor, cfg.model, temperature=cfg.gconfig.temperature, seed=cfg.seed
+            )
+            return
         if self.engine is None:
             if importlib.util.find_spec("areal_env.engine.factory") is not None:
                 from areal_env.engine.factory import create_engine
@@ -437,10 +513,10 @@ class PPOTrainer:
         )
         self.step = int(state["step"])
         self.version = int(state.get("version", self.step))
-        if self.data is not None:
+        if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
         self.actor.update_count = int(state.get("update_count", self.step))
-        if self.version > 0:
+        if self.version > 0 and self.dist.is_main:
             self._push_weights(self.version)
         position = (
             f"data position epoch {self.data.epoch} batch {self.data.batch_index}"
@@ -481,22 +557,71 @@ class PPOTrainer:
         await grant_capacity(self.proxy.base_url, self.proxy.admin_key, 1 << 30)
 
     def _push_weights(self, new_version: int) -> None:
+        """Gather the weights once and load them on every inference server.
+
+        In-process engines take the state dict; server engines load one HF folder written once
+        under ``run_dir/weights/v{N}`` (with LoRA only the adapter when the engine takes
+        adapters). A server that fails to load is reported by address and the step fails."""
         engine = self.engine
-        if getattr(engine, "supports_state_dict_update", False):
-            engine.update_weights(self.actor.model.state_dict())
+        lora = self.config.actor.lora is not None and getattr(engine, "supports_lora", False)
+        in_process = getattr(engine, "supports_state_dict_update", False)
+        what = "full" if in_process else ("adapter" if lora else "hf")
+        sg = self.config.engine.sglang
+        if not in_process and self.config.engine.backend == "sglang" and sg.weight_sync == "nccl":
+            self._command({"op": "push", "what": "full"})  # the others only gather
+            self._push_nccl(self._gather_for_push("full"), new_version)
+            return
+        self._command({"op": "push", "what": what})
+        if in_process:
+            engine.update_weights(self._gather_for_push(what))
         else:
             folder = self.run_dir / "weights" / f"v{new_version}"
             if folder.exists():
                 shutil.rmtree(folder)
-            self.actor.model.save_pretrained(str(folder), safe_serialization=True)
-            self.tokenizer.save_pretrained(str(folder))
+            self.last_push_bytes = self._gather_for_push(what, folder)
+            if not lora:
+                self.tokenizer.save_pretrained(str(folder))
             engine.update_weights(str(folder))
             for old in (self.run_dir / "weights").glob("v*"):
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
         engine.set_version(new_version)
 
+    def _push_nccl(self, weights: dict[str, Any], new_version: int) -> None:
+        """SGLang's tensor path (``engine.sglang.weight_sync: nccl``; GPU only, unverified here)."""
+        from areal_env.engine.sglang_nccl import NcclWeightSync
+
+        sync = getattr(self, "_nccl_sync", None)
+        if sync is None:
+            import socket
+
+            sg = self.config.engine.sglang
+            sync = self._nccl_sync = NcclWeightSync(
+                self.engine,
+                master_address=socket.gethostbyname(socket.gethostname()),
+                master_port=sg.weight_sync_port,
+                tp_size=sg.tp_size,
+            )
+        device = self.actor.device
+        self.engine.pause()
+        try:
+            sync.push(((k, v.to(device)) for k, v in weights.items()), new_version)
+        finally:
+            self.engine.resume()
+        self.engine.set_version(new_version)
+
+    def _gather_for_push(self, what: str, folder: Path | None = None) -> Any:
+        """The collective half of a push: every rank runs it, rank 0 gets (or writes) the
+        weights; the other ranks write nothing."""
+        if what == "full":
+            return self.actor.state_dict_for_engine()
+        target = folder or self.run_dir / "weights" / "unused"
+        if what == "adapter":
+            return self.actor.save_adapter(target)
+        return self.actor.export_hf(target)
+
     def _save_checkpoint(self) -> Path:
+        self._command({"op": "save", "step": self.step})
         data_state = getattr(self, "_data_state", None)
         if data_state is None and self.data is not None:
             data_state = self.data.state_dict()
@@ -517,6 +642,7 @@ class PPOTrainer:
             optimizer=self.actor.optimizer,
             trainer_state=state,
             keep_last=self.config.trainer.keep_checkpoints,
+            export_hf=self.actor.export_hf,
         )
 
     def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:

@@ -1,0 +1,1 @@
+"""``areal-env launch``: inference servers, then the torchrun trainer ranks (local or Slurm)."""

@@ -57,6 +57,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 USER_KEY = "user-hardening-key-0123456789"
+# a second user, untouched by the fuzz: the fuzz fills USER_KEY's session quota (a 429 then is
+# the quota holding), so "healthy after" is checked with a key that still has room
+HEALTH_KEY = "user-health-check-key-0123456789"
 TOOL_CALL = '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'
 ADD_TOOL = {
     "type": "function",
@@ -411,7 +414,7 @@ class Stack:
         ]
         self.source = ExternalTrajectorySource(n_samples=1, batch_size=1)
         self.gateway = GatewayServer(
-            ServiceConfig(api_keys=[USER_KEY], health_interval=0.5),
+            ServiceConfig(api_keys=[USER_KEY, HEALTH_KEY], health_interval=0.5),
             backends=[(p.base_url, p.admin_key) for p in self.backends],
             source=self.source,
         ).start()
@@ -450,16 +453,16 @@ def new_proxy_key(stack: Stack) -> str:
     return r.json()["api_key"]
 
 
-def new_gateway_key(stack: Stack) -> str | None:
+def new_gateway_key(stack: Stack, user: str = USER_KEY) -> str | None:
     r = httpx.post(
         stack.urls["gateway"] + "/rl/v1/sessions",
         json={},
-        headers={"Authorization": f"Bearer {USER_KEY}"},
+        headers={"Authorization": f"Bearer {user}"},
         timeout=10,
     )
     if r.status_code != 200:
         return None
-    return f"{USER_KEY}:{r.json()['session_id']}"  # the session travels inside the key
+    return f"{user}:{r.json()['session_id']}"  # the session travels inside the key
 
 
 def headers_for(stack: Stack, route: Route, choice: int, keys: dict[str, str | None]) -> dict:
@@ -910,21 +913,22 @@ def hostile_corpus(stack: Stack, out: Outcome, timeout: float) -> None:
 
 def healthy_after(stack: Stack) -> bool:
     """Every server answers its health route and one good request."""
-    pkey = new_proxy_key(stack)
     M = [{"role": "user", "content": "Add 2 and 3."}]
-    ok = True
-    for url in stack.urls.values():
-        ok &= httpx.get(url + "/health", timeout=10).status_code == 200
+    checks: dict[str, bool] = {}
+    for target, url in stack.urls.items():
+        checks[f"{target} /health"] = httpx.get(url + "/health", timeout=10).status_code == 200
+    pkey = new_proxy_key(stack)
     r = httpx.post(
         stack.urls["proxy"] + "/v1/chat/completions",
         json={"model": "m", "messages": M},
         headers={"Authorization": f"Bearer {pkey}"},
         timeout=10,
     )
-    ok &= r.status_code == 200
+    checks["proxy chat"] = r.status_code == 200
     r = httpx.post(stack.urls["serve"] + "/generate", json={"text": "hi"}, timeout=10)
-    ok &= r.status_code == 200
-    gkey = new_gateway_key(stack)
+    checks["serve generate"] = r.status_code == 200
+    gkey = new_gateway_key(stack, HEALTH_KEY)
+    checks["gateway session"] = gkey is not None
     if gkey:
         r = httpx.post(
             stack.urls["gateway"] + "/v1/chat/completions",
@@ -932,10 +936,11 @@ def healthy_after(stack: Stack) -> bool:
             headers={"Authorization": f"Bearer {gkey}"},
             timeout=10,
         )
-        ok &= r.status_code == 200
-    else:
-        ok = False
-    return bool(ok)
+        checks["gateway chat"] = r.status_code == 200
+    for name, ok in checks.items():
+        if not ok:
+            log(f"  NOT HEALTHY after the fuzz: {name}")
+    return all(checks.values())
 
 
 def run_fuzz(tokenizer: Any, n_generated: int, timeout: float) -> dict[str, Any]:

@@ -82,6 +82,10 @@ def save_checkpoint(
     Any failure raises :class:`CheckpointWriteError` and leaves the previous checkpoint the
     latest (the temporary folder is removed, so a full disk gets its space back).
     """
+    # torch.distributed.checkpoint reports a failed write as CheckpointException, a
+    # BaseException (not an Exception): catch it too, but never KeyboardInterrupt/SystemExit
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return _save_checkpoint(
             Path(ckpt_root),
@@ -95,7 +99,7 @@ def save_checkpoint(
         )
     except CheckpointWriteError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise CheckpointWriteError(
             getattr(e, "errno", None) or 0,
             f"checkpoint step_{step} in {ckpt_root} could not be written "

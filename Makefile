@@ -10,7 +10,7 @@ AENV_VENV ?= .venv-aenv
 AENV_STAMP := $(AENV_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-aenv demo test test-fast lint format bench clean
+.PHONY: venv venv-aenv demo test test-fast lint typecheck format bench clean
 
 venv: $(STAMP) $(AENV_STAMP)
 
@@ -47,6 +47,10 @@ test-fast: venv
 lint: venv
 	$(VENV)/bin/ruff check areal_env tests bench agents examples
 	$(VENV)/bin/ruff format --check areal_env tests bench agents examples
+
+# Static types over the package (mypy; configuration in pyproject.toml): zero errors.
+typecheck: venv
+	$(VENV)/bin/mypy
 
 format: venv
 	$(VENV)/bin/ruff format areal_env tests bench agents examples

@@ -27,10 +27,13 @@ _EXPORTS: dict[str, str] = {
     "ModelRequest": "areal_env.api.io",
     "ModelResponse": "areal_env.api.io",
     "InferenceEngine": "areal_env.api.engine",
+    "TrainingRow": "areal_env.api.rows",
+    "BatchSource": "areal_env.api.source",
     # engines and proxy
     "LocalEngine": "areal_env.engine.local",
     "SGLangEngine": "areal_env.engine.sglang",
     "create_engine": "areal_env.engine.factory",
+    "ScriptedEngine": "areal_env.engine.testing",
     "ProxyServer": "areal_env.proxy.server",
     "OpenAIProxyClient": "areal_env.proxy.client",
     # tool environments: aenvironment servers and any MCP server
@@ -65,6 +68,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from areal_env.api.config import ConfigError, ExperimentConfig, load_config  # noqa: F401
     from areal_env.api.engine import InferenceEngine  # noqa: F401
     from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: F401
+    from areal_env.api.rows import TrainingRow  # noqa: F401
+    from areal_env.api.source import BatchSource  # noqa: F401
     from areal_env.api.workflow import RolloutWorkflow  # noqa: F401
     from areal_env.engine.local import LocalEngine  # noqa: F401
     from areal_env.trainer.ppo import PPOTrainer  # noqa: F401

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from areal_env.api.errors import ConfigError
+from areal_env.api.errors import ConfigError, check_port
 from areal_env.api.io import GenerationConfig
 from areal_env.api.service_config import ServiceConfig
 
@@ -116,7 +116,7 @@ class EngineConfig:
     request_timeout: float = 3600.0
     """Seconds one generation request may take."""
     max_retries: int = 3
-    """Attempts for a failed HTTP request to an inference server."""
+    """Retries after the first attempt of a failed HTTP request to an inference server."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def validate(self) -> None:
@@ -160,8 +160,7 @@ class ProxyConfig:
     """Sessions that may start before any /grant_capacity; None = unlimited (no capacity control)."""
 
     def validate(self) -> None:
-        if not (0 <= self.port < 65536):
-            raise ConfigError(f"proxy.port={self.port!r} must be in [0, 65535]")
+        check_port("proxy", self.port)
         if self.session_ttl <= 0:
             raise ConfigError(f"proxy.session_ttl={self.session_ttl!r} must be > 0")
         for name in ("max_sessions", "max_interactions_per_session", "max_tokens_per_session"):
@@ -440,6 +439,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping of fields, got {value!r}")
+        assert isinstance(tp, type)
         return _build(tp, value, prefix=key + ".")
     if origin in (list, tuple):
         (inner,) = get_args(tp)[:1] or (Any,)
@@ -499,7 +499,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
@@ -530,11 +530,6 @@ def validate_config(cfg: Any, prefix: str = "") -> None:
             raise
         except ValueError as e:
             raise ConfigError(f"{prefix.rstrip('.') or type(cfg).__name__}: {e}") from e
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain dict (for YAML dumps and logging)."""
-    return dataclasses.asdict(cfg)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
@@ -18,15 +18,42 @@ class PromptTooLongError(ValueError):
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """What every backend (embedded, SGLang HTTP, remote) provides.
+    """What every backend (embedded, SGLang HTTP, remote, ``engine.testing.ScriptedEngine``)
+    provides: everything callers use, so nobody probes with ``getattr``.
 
     Invalid requests raise ``ValueError`` (``PromptTooLongError`` for context overflow) and
     never disturb other in-flight requests.
     """
 
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer when the engine holds one in this process; ``None`` when its
+        servers tokenize (SGLang): load one from ``model_path`` then."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a completion (known after ``initialize``; may be empty)."""
+        ...
+
+    @property
+    def max_context_len(self) -> int | None:
+        """Prompt + completion tokens the engine accepts (``None``: not known yet)."""
+        ...
+
+    @property
+    def model_path(self) -> str | None:
+        """Where the weights came from (HF folder or model name)."""
+        ...
+
+    @property
+    def supports_state_dict_update(self) -> bool:
+        """``update_weights`` takes an in-memory state dict (else only an HF folder path)."""
+        ...
+
     async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
 
-    def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+    def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yield tokens as they are produced; the last chunk has ``final`` set."""
         ...
 
@@ -46,9 +73,15 @@ class InferenceEngine(Protocol):
 
     def destroy(self) -> None: ...
 
+    def stats(self) -> dict[str, float]:
+        """Counters for ``/get_server_info`` and logs (may be empty)."""
+        ...
 
-async def stream_from_generate(engine: Any, req: ModelRequest) -> AsyncIterator[StreamChunk]:
-    """Fallback streaming for engines that can only return whole completions."""
+
+async def stream_from_generate(
+    engine: InferenceEngine, req: ModelRequest
+) -> AsyncGenerator[StreamChunk, None]:
+    """Streaming for engines that can only return whole completions: one chunk, the result."""
     resp = await engine.agenerate(req)
     yield StreamChunk(
         token_ids=list(resp.output_tokens),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from areal_env.api.errors import ConfigError
+from areal_env.api.errors import ConfigError, check_port
 from areal_env.http.net import is_loopback
 
 __all__ = ["ServiceConfig", "is_loopback"]
@@ -79,8 +79,7 @@ class ServiceConfig:
     """TLS certificate file (with ssl_keyfile) for HTTPS."""
 
     def validate(self) -> None:
-        if not (0 <= self.port < 65536):
-            raise ConfigError(f"service.port={self.port!r} must be in [0, 65535]")
+        check_port("service", self.port)
         if self.max_sessions_per_key < 1:
             raise ConfigError(
                 f"service.max_sessions_per_key={self.max_sessions_per_key!r} must be >= 1"

@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -436,7 +436,7 @@ class LocalEngine:
             self._wake()
             raise
 
-    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yield a ``StreamChunk`` per decode step; the last one carries ``final``."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()

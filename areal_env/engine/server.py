@@ -23,13 +23,15 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
+from areal_env.api.config import EngineConfig, ModelConfig
+from areal_env.api.engine import EngineUnavailableError, InferenceEngine, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_env.engine.sglang_wire import BadRequest, parse_generate
 from areal_env.http import routes
 from areal_env.http.body import read_body, read_json
 from areal_env.http.codec import dumps, json_response, loads
@@ -39,80 +41,11 @@ from areal_env.http.runner import serve_forever
 
 logger = logging.getLogger(__name__)
 
-# SGLang sampling params we honour, and those we accept only at their neutral value.
-_NEUTRAL_PARAMS: dict[str, Any] = {
-    "min_new_tokens": 0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "n": 1,
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "logit_bias": None,
-    "stop_regex": None,
-}
-_IGNORED_PARAMS = {
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stream_interval",
-    "custom_params",
-}
 
+class ServableEngine(InferenceEngine, Protocol):
+    """What ``areal-env serve`` needs beyond the engine protocol: aborting one request."""
 
-class BadRequest(ValueError):
-    """The request is malformed: answered with HTTP 400 in SGLang's error shape."""
-
-
-def gconfig_from_sampling_params(sp: dict[str, Any] | None) -> GenerationConfig:
-    """SGLang ``sampling_params`` → ``GenerationConfig`` (SGLang defaults; ``top_k=-1`` is off)."""
-    sp = dict(sp or {})
-    for key, neutral in _NEUTRAL_PARAMS.items():
-        if key in sp:
-            value = sp.pop(key)
-            if value is not None and value != neutral:
-                raise BadRequest(
-                    f"sampling param {key}={value!r} is not supported by areal-env serve"
-                )
-    for key in _IGNORED_PARAMS:
-        sp.pop(key, None)
-    known = {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "sampling_seed",
-    }
-    unknown = sorted(set(sp) - known)
-    if unknown:
-        raise BadRequest(f"unknown sampling param(s) {unknown}")
-    top_k = sp.get("top_k", -1)
-    if top_k is None or top_k == -1:
-        top_k = 0
-    stop = sp.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    temperature = sp.get("temperature", 1.0)
-    try:
-        return GenerationConfig(
-            max_new_tokens=int(sp.get("max_new_tokens", 128)),
-            temperature=float(temperature if temperature is not None else 1.0),
-            top_p=float(sp.get("top_p", 1.0) if sp.get("top_p") is not None else 1.0),
-            top_k=int(top_k),
-            greedy=temperature == 0,
-            stop=stop or None,
-            stop_token_ids=list(sp["stop_token_ids"]) if sp.get("stop_token_ids") else None,
-            ignore_eos=bool(sp.get("ignore_eos", False)),
-            seed=int(sp["sampling_seed"]) if sp.get("sampling_seed") is not None else None,
-        )
-    except (TypeError, ValueError) as e:
-        raise BadRequest(str(e)) from e
+    def abort(self, rid: str) -> bool: ...
 
 
 def _error(status: int, message: str) -> Response:
@@ -122,7 +55,7 @@ def _error(status: int, message: str) -> Response:
 class ServeState:
     """Pause flag, in-flight requests and weight-version label of one server."""
 
-    def __init__(self, engine: Any, *, model_name: str | None = None) -> None:
+    def __init__(self, engine: ServableEngine, *, model_name: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name or os.path.basename(str(engine.model_path).rstrip("/"))
         self.inflight: dict[str, asyncio.Future | None] = {}
@@ -133,7 +66,7 @@ class ServeState:
         self.engine_paused = False
         self.version_label: str | None = None
         self.shutting_down = False
-        self._eos = frozenset(getattr(engine, "eos_token_ids", []) or [])
+        self._eos = frozenset(engine.eos_token_ids)
 
     # -- versions
     def weight_version(self) -> str:
@@ -215,185 +148,146 @@ class ServeState:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-def _vocab_size(engine: Any) -> int | None:
-    tok = getattr(engine, "tokenizer", None)
-    try:
-        return len(tok) if tok is not None else None
-    except TypeError:
-        return None
-
-
-def _check_ids(ids: Any, vocab: int | None) -> None:
-    """Token ids must be a list of ints in ``[0, vocab)``: anything else is a 400, not an index
-    error deep in the model."""
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ids
-    ):
-        raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
-    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
-        raise BadRequest(f"input_ids must be token ids in [0, {vocab})")
-
-
-def _parse_generate(body: Any, engine: Any) -> tuple[list[ModelRequest], bool, bool, bool]:
-    """Body of ``/generate`` → (requests, batched, return_logprob, stream)."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    input_ids = body.get("input_ids")
-    text = body.get("text")
-    if input_ids is None and text is None:
-        raise BadRequest("Either text or input_ids should be provided.")
-    if input_ids is None:
-        if not isinstance(text, str) and not (
-            isinstance(text, list) and all(isinstance(t, str) for t in text)
-        ):
-            raise BadRequest("text must be a string or a list of strings")
-        texts = [text] if isinstance(text, str) else list(text)
-        input_ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        batched = not isinstance(text, str)
-    else:
-        if not isinstance(input_ids, list):
-            raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
-        batched = bool(input_ids) and isinstance(input_ids[0], list)
-        if not batched:
-            input_ids = [input_ids]
-    sp = body.get("sampling_params") or {}
-    rids = body.get("rid")
-    if batched:
-        sps = sp if isinstance(sp, list) else [sp] * len(input_ids)
-        rids = rids if isinstance(rids, list) else [None] * len(input_ids)
-        if len(sps) != len(input_ids) or len(rids) != len(input_ids):
-            raise BadRequest("batched sampling_params / rid must match the number of prompts")
-    else:
-        sps, rids = [sp], [rids]
-    vocab = _vocab_size(engine)
-    reqs = []
-    for ids, p, rid in zip(input_ids, sps, rids, strict=True):
-        _check_ids(ids, vocab)
-        kwargs: dict[str, Any] = {
-            "input_ids": list(ids),
-            "gconfig": gconfig_from_sampling_params(p),
-        }
-        if rid:
-            kwargs["rid"] = str(rid)
-        reqs.append(ModelRequest(**kwargs))
-    stream = bool(body.get("stream", False))
-    if stream and batched:
-        raise BadRequest("stream is supported for one prompt at a time")
-    if body.get("top_logprobs_num"):
-        raise BadRequest("top_logprobs_num is not supported by areal-env serve")
-    return reqs, batched, bool(body.get("return_logprob", False)), stream
-
-
-def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
+def create_app(engine: ServableEngine, *, model_name: str | None = None) -> FastAPI:
     """The FastAPI app around an initialized engine (LocalEngine or anything with its API)."""
     app = FastAPI(title="areal-env serve", openapi_url=None, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     state = ServeState(engine, model_name=model_name)
     app.state.serve = state
+    _generation_routes(app, state)
+    _control_routes(app, state)
+    _info_routes(app, state)
+    return app
 
-    async def run_one(req: ModelRequest, return_logprob: bool) -> dict[str, Any]:
-        await state.running.wait()
+
+async def _run_one(state: ServeState, req: ModelRequest, return_logprob: bool) -> dict[str, Any]:
+    """One request, held while generation is paused."""
+    await state.running.wait()
+    state._enter(req.rid)
+    try:
+        resp = await state.engine.agenerate(req)  # submits synchronously: no pause race
+    finally:
+        state._leave(req.rid)
+    return state.answer(req, resp, return_logprob=return_logprob)
+
+
+def _failure(e: Exception) -> Response:
+    """An engine exception as SGLang answers it."""
+    if isinstance(e, PromptTooLongError):
+        return _error(400, f"The input is too long: {e}")
+    if isinstance(e, ValueError):
+        return _error(400, str(e))
+    if isinstance(e, EngineUnavailableError):
+        return _error(503, str(e))
+    logger.exception("generation failed")
+    return _error(500, f"{type(e).__name__}: {e}")
+
+
+async def _stream(state: ServeState, req: ModelRequest, return_logprob: bool) -> Response:
+    """A streamed ``/generate`` (SSE, deltas)."""
+    engine = state.engine
+    await state.running.wait()
+    try:
         state._enter(req.rid)
+        agen = engine.agenerate_stream(req).__aiter__()
+        first = await agen.__anext__()  # validation errors surface here, before the 200
+    except Exception as e:  # noqa: BLE001
+        state._leave(req.rid)
+        return _failure(e)
+
+    def delta_event(resp: ModelResponse, sent: int, finished: bool) -> bytes:
+        """Only the tokens after ``sent`` (like SGLang's --incremental-streaming-output);
+        ``completion_tokens`` stays the running total, so clients know the offset."""
+        out = state.answer(req, resp, return_logprob=return_logprob, finished=finished, text="")
+        new_ids = out["output_ids"] = resp.output_tokens[sent:]
+        meta = out["meta_info"]
+        for key in ("output_token_logprobs", "output_token_versions"):
+            if key in meta:
+                meta[key] = meta[key][sent:]
+        out["text"] = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
+        return b"data: " + dumps(out) + b"\n\n"
+
+    async def events():
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        sent = 0
+        chunk = first
         try:
-            resp = await engine.agenerate(req)  # submits synchronously: no pause race
+            while True:
+                if chunk.final is not None:
+                    yield delta_event(chunk.final, sent, True)
+                    break
+                ids += chunk.token_ids
+                lps += chunk.logprobs
+                vers += chunk.versions
+                partial = ModelResponse(
+                    input_tokens=req.input_ids,
+                    output_tokens=ids,
+                    output_logprobs=lps,
+                    output_versions=vers,
+                )
+                yield delta_event(partial, sent, False)
+                sent = len(ids)
+                chunk = await agen.__anext__()
+        except Exception as e:  # noqa: BLE001 - SGLang reports stream errors in-band
+            err = openai_error_body(HTTPError(500, str(e)))
+            yield b"data: " + dumps(err) + b"\n\n"
         finally:
             state._leave(req.rid)
-        return state.answer(req, resp, return_logprob=return_logprob)
+            await agen.aclose()
+        yield b"data: [DONE]\n\n"
 
-    def failure(e: Exception) -> Response:
-        if isinstance(e, PromptTooLongError):
-            return _error(400, f"The input is too long: {e}")
-        if isinstance(e, ValueError):
-            return _error(400, str(e))
-        if isinstance(e, EngineUnavailableError):
-            return _error(503, str(e))
-        logger.exception("generation failed")
-        return _error(500, f"{type(e).__name__}: {e}")
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        data = await read_json(request, empty_ok=True)
+    except HTTPError as e:
+        raise BadRequest(e.message) from None
+    return data if isinstance(data, dict) else {}
+
+
+async def _control_body(request: Request) -> tuple[dict[str, Any], Response | None]:
+    """A weight-control body, or SGLang's ``{"success": false}`` 400 answer."""
+    try:
+        return await _json_body(request), None
+    except BadRequest as e:
+        return {}, json_response({"success": False, "message": str(e)}, 400)
+
+
+def _generation_routes(app: FastAPI, state: ServeState) -> None:
+    """``/generate`` (JSON, batched, or SSE)."""
+    engine = state.engine
 
     @app.api_route(routes.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         raw = await read_body(request)
         try:
             body = loads(raw)
-            reqs, batched, return_logprob, stream = _parse_generate(body, engine)
+            reqs, batched, return_logprob, stream = parse_generate(body, engine)
         except (ValueError, TypeError) as e:  # json errors are ValueErrors
             return _error(400, str(e))
         if stream:
-            return await _stream(reqs[0], return_logprob)
+            return await _stream(state, reqs[0], return_logprob)
         try:
             if batched:
-                outs = await asyncio.gather(*(run_one(r, return_logprob) for r in reqs))
+                outs = await asyncio.gather(*(_run_one(state, r, return_logprob) for r in reqs))
                 return json_response(outs)
-            return json_response(await run_one(reqs[0], return_logprob))
+            return json_response(await _run_one(state, reqs[0], return_logprob))
         except Exception as e:  # noqa: BLE001 - mapped to SGLang's error answers
-            return failure(e)
+            return _failure(e)
 
-    async def _stream(req: ModelRequest, return_logprob: bool) -> Response:
-        await state.running.wait()
-        try:
-            state._enter(req.rid)
-            agen = engine.agenerate_stream(req).__aiter__()
-            first = await agen.__anext__()  # validation errors surface here, before the 200
-        except Exception as e:  # noqa: BLE001
-            state._leave(req.rid)
-            return failure(e)
 
-        def delta_event(resp: ModelResponse, sent: int, finished: bool) -> bytes:
-            """Only the tokens after ``sent`` (like SGLang's --incremental-streaming-output);
-            ``completion_tokens`` stays the running total, so clients know the offset."""
-            out = state.answer(req, resp, return_logprob=return_logprob, finished=finished, text="")
-            new_ids = out["output_ids"] = resp.output_tokens[sent:]
-            meta = out["meta_info"]
-            for key in ("output_token_logprobs", "output_token_versions"):
-                if key in meta:
-                    meta[key] = meta[key][sent:]
-            out["text"] = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
-            return b"data: " + dumps(out) + b"\n\n"
-
-        async def events():
-            ids: list[int] = []
-            lps: list[float] = []
-            vers: list[int] = []
-            sent = 0
-            chunk = first
-            try:
-                while True:
-                    if chunk.final is not None:
-                        yield delta_event(chunk.final, sent, True)
-                        break
-                    ids += chunk.token_ids
-                    lps += chunk.logprobs
-                    vers += chunk.versions
-                    partial = ModelResponse(
-                        input_tokens=req.input_ids,
-                        output_tokens=ids,
-                        output_logprobs=lps,
-                        output_versions=vers,
-                    )
-                    yield delta_event(partial, sent, False)
-                    sent = len(ids)
-                    chunk = await agen.__anext__()
-            except Exception as e:  # noqa: BLE001 - SGLang reports stream errors in-band
-                err = openai_error_body(HTTPError(500, str(e)))
-                yield b"data: " + dumps(err) + b"\n\n"
-            finally:
-                state._leave(req.rid)
-                await agen.aclose()
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            data = await read_json(request, empty_ok=True)
-        except HTTPError as e:
-            raise BadRequest(e.message) from None
-        return data if isinstance(data, dict) else {}
+def _control_routes(app: FastAPI, state: ServeState) -> None:
+    """Pause/continue, weight updates and versions, aborts, cache flush."""
+    engine = state.engine
 
     @app.post(routes.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> Response:
         try:
-            mode = (await json_body(request)).get("mode", "abort")
+            mode = (await _json_body(request)).get("mode", "abort")
         except BadRequest as e:
             return _error(400, str(e))
         if mode not in ("abort", "retract", "in_place"):
@@ -422,10 +316,9 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
 
     @app.post(routes.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(request: Request) -> Response:
-        try:
-            body = await json_body(request)
-        except BadRequest as e:
-            return json_response({"success": False, "message": str(e)}, 400)
+        body, refused = await _control_body(request)
+        if refused is not None:
+            return refused
         path = body.get("model_path")
         if not isinstance(path, str) or not path or not os.path.isdir(path):
             return json_response(
@@ -450,10 +343,9 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
 
     @app.post(routes.UPDATE_WEIGHT_VERSION)
     async def update_weight_version(request: Request) -> Response:
-        try:
-            body = await json_body(request)
-        except BadRequest as e:
-            return json_response({"success": False, "message": str(e)}, 400)
+        body, refused = await _control_body(request)
+        if refused is not None:
+            return refused
         if body.get("abort_all_requests"):
             state.abort_all()
         new = str(body.get("new_version", ""))
@@ -468,7 +360,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
 
     @app.post(routes.ABORT_REQUEST)
     async def abort_request(request: Request) -> Response:
-        body = await json_body(request)
+        body = await _json_body(request)
         if body.get("abort_all"):
             state.abort_all()
         elif body.get("rid"):
@@ -481,6 +373,11 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
     async def flush_cache() -> Response:
         # The embedded engine keeps no prefix cache across requests: nothing to flush.
         return Response("Cache flushed.\n", status_code=200)
+
+
+def _info_routes(app: FastAPI, state: ServeState) -> None:
+    """Health and model/server info."""
+    engine = state.engine
 
     @app.get(routes.HEALTH)
     async def health() -> Response:
@@ -510,7 +407,7 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
                 "preferred_sampling_params": None,
                 "weight_version": state.weight_version(),
                 "served_model_name": state.model_name,
-                "max_context_len": getattr(engine, "max_context_len", None),
+                "max_context_len": engine.max_context_len,
             }
         )
 
@@ -524,12 +421,8 @@ def create_app(engine: Any, *, model_name: str | None = None) -> FastAPI:
             "paused": not state.running.is_set(),
             "inflight": len(state.inflight),
         }
-        stats = getattr(engine, "stats", None)
-        if callable(stats):
-            info["engine_stats"] = stats()
+        info["engine_stats"] = engine.stats()
         return json_response(info)
-
-    return app
 
 
 # ---------------------------------------------------------------------------------- command line
@@ -572,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     """``areal-env serve``: load the model, bind, print one readiness line, serve until killed."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     from areal_env.engine.local import LocalEngine
-    from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
+    from areal_env.engine.models import DEFAULT_MODEL
 
     # Unknown flags are SGLang's (a config written for sglang.launch_server): ignore, but say so.
     args, unknown = build_parser().parse_known_args(args_list)
@@ -585,15 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"areal-env serve: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    path = resolve_model_path(args.model or DEFAULT_MODEL, args.cache_dir)
-    engine = LocalEngine(
-        str(path),
-        device=args.device,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_context_len=args.max_context_len,
+    model = ModelConfig(
+        path=args.model or DEFAULT_MODEL,
+        **{k: getattr(args, k) for k in ("device", "dtype", "cache_dir", "max_context_len")},
         num_threads=args.num_threads,
     )
+    engine = LocalEngine.from_config(model, EngineConfig(max_batch_size=args.max_batch_size))
+    path = engine.model_path
     engine.initialize()
     app = create_app(engine, model_name=args.served_model_name)
     app.state.serve.set_weight_version(args.weight_version)

@@ -3,18 +3,8 @@
 The same client drives real SGLang servers on GPU machines and ``areal-env serve`` (the embedded
 engine behind the same protocol) on CPU machines, so the trainer never needs ``sglang`` itself.
 
-Protocol used (SGLang's ``http_server.py``):
-
-- ``POST /generate`` ``{"input_ids", "sampling_params", "return_logprob": true, "rid", "stream"}``
-  → ``{"text", "output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-  "output_token_logprobs": [[logprob, token_id, text|null], ...], "weight_version", ...}}``.
-  ``meta_info.output_token_versions`` (one int per output token) is an ``areal-env serve``
-  extension; without it every token gets the server's ``weight_version`` (or ours).
-- ``POST /pause_generation`` ``{"mode": "abort"}`` / ``POST /continue_generation``: in-flight
-  requests come back with ``finish_reason.type == "abort"`` and the tokens produced so far; we
-  re-submit prompt + those tokens after the pause, so no completion is lost.
-- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` → ``{"success", "message"}``.
-- ``POST /update_weight_version``, ``GET /health``, ``GET /get_model_info``.
+The wire format (SGLang's ``/generate`` and control routes) is in :mod:`areal_env.engine.sglang_wire`;
+routing (session affinity, failover) in :mod:`areal_env.engine.routing`.
 """
 
 from __future__ import annotations
@@ -27,8 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -42,14 +31,20 @@ from tenacity import (
 )
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
-from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
+from areal_env.engine.routing import ServerRouter, normalize_address
+from areal_env.engine.sglang_wire import (
+    generate_payload,
+    parse_generate_output,
+    parse_version,
+    stop_reason_of,
+    stream_skip,
+    token_versions,
+)
 from areal_env.http import routes
 from areal_env.http.client import response_error_message
 
 logger = logging.getLogger(__name__)
-
-STICKY_METADATA_KEYS = ("session_id", "conversation_id", "sticky_key")
-"""``req.metadata`` keys that pin a request to one server (first present wins), before ``rid``."""
 
 
 class _RetryableHTTPError(Exception):
@@ -62,57 +57,6 @@ class _RetryableHTTPError(Exception):
 
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, (httpx.TransportError, _RetryableHTTPError))
-
-
-def normalize_address(address: str) -> str:
-    """``"host:port"`` or ``"http://host:port/"`` → ``"host:port"`` (what we name in errors)."""
-    addr = address.strip()
-    for prefix in ("http://", "https://"):
-        if addr.startswith(prefix):
-            addr = addr[len(prefix) :]
-    addr = addr.rstrip("/")
-    if not addr or ":" not in addr:
-        raise ValueError(f"server address {address!r} must look like host:port")
-    return addr
-
-
-def sampling_params_from_gconfig(g: GenerationConfig, max_new_tokens: int | None = None) -> dict:
-    """Our ``GenerationConfig`` → SGLang ``sampling_params`` (``top_k`` off is -1 there)."""
-    params: dict[str, Any] = {
-        "max_new_tokens": int(max_new_tokens if max_new_tokens is not None else g.max_new_tokens),
-        "temperature": 0.0 if g.is_greedy else float(g.temperature),
-        "top_p": float(g.top_p),
-        "top_k": int(g.top_k) if g.top_k > 0 else -1,
-        "ignore_eos": bool(g.ignore_eos),
-        # Keep the stop text in `text`: the proxy re-parses output ids, never trimmed text.
-        "no_stop_trim": True,
-        "skip_special_tokens": False,
-    }
-    if g.stop:
-        params["stop"] = list(g.stop)
-    if g.stop_token_ids:
-        params["stop_token_ids"] = list(g.stop_token_ids)
-    if g.seed is not None:
-        params["sampling_seed"] = int(g.seed)
-    return params
-
-
-def _parse_version(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _stop_reason(finish_reason: Any) -> str:
-    """SGLang ``finish_reason`` (dict, or None while streaming) → our stop reason."""
-    if isinstance(finish_reason, dict):
-        kind = finish_reason.get("type")
-    else:
-        kind = finish_reason
-    if kind in ("stop", "length", "abort"):
-        return kind
-    return "stop"
 
 
 class SGLangEngine:
@@ -158,8 +102,8 @@ class SGLangEngine:
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.control_timeout = control_timeout
-        # Like tenacity's stop_after_attempt: 3 = one try and two retries (0 or 1 = no retry).
-        self.attempts = max(1, max_retries)
+        # ``max_retries`` counts retries after the first try, as everywhere in the package.
+        self.attempts = max_retries + 1
         self.retry_backoff = retry_backoff
         self.retry_max_wait = retry_max_wait
         self.startup_timeout = startup_timeout
@@ -169,15 +113,12 @@ class SGLangEngine:
         self.max_context_len: int | None = None
         """Prompt + completion limit reported by the servers (None until ``initialize()``)."""
         self.tokenizer = None  # servers tokenize; callers load their own from ``model_path``
+        self.eos_token_ids: list[int] = []  # the servers stop on eos themselves
         self._owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
         self._launch = launch  # called by initialize() when there is no server yet
         self._version = 0
         self._lock = threading.Lock()
-        self._rr = 0
-        self._inflight: dict[str, int] = {}  # generations in flight per server
-        self._sticky: OrderedDict[str, str] = OrderedDict()
-        self._sticky_max = 100_000
-        self._down_until: dict[str, float] = {}
+        self.router = ServerRouter(self.addresses, down_cooldown)
         self._resumed = threading.Event()
         self._resumed.set()
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -193,6 +134,7 @@ class SGLangEngine:
         if self._launch is not None and self._owned is None:
             self._owned = self._launch()
             self.addresses = [normalize_address(a) for a in self._owned.addresses]
+            self.router.addresses = self.addresses
         deadline = time.monotonic() + self.startup_timeout
         versions = []
         for addr in self.addresses:
@@ -212,7 +154,7 @@ class SGLangEngine:
                 info = self._client_sync().get(f"http://{addr}/get_model_info", timeout=10.0)
                 if info.status_code == 200:
                     data = info.json()
-                    versions.append(_parse_version(data.get("weight_version")))
+                    versions.append(parse_version(data.get("weight_version")))
                     self.model_path = self.model_path or data.get("model_path")
                     if not self.max_context_len:
                         self.max_context_len = self._context_len(addr, data)
@@ -298,76 +240,12 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ routing
 
-    def _sticky_key(self, req: ModelRequest) -> str | None:
-        for key in STICKY_METADATA_KEYS:
-            value = req.metadata.get(key) if req.metadata else None
-            if value:
-                return f"{key}:{value}"
-        return None
-
     def route(self, req: ModelRequest) -> tuple[str, bool]:
         """Pick the server for ``req``: (address, sticky). Sticky = seen this session/rid before."""
-        keys = [k for k in (self._sticky_key(req), f"rid:{req.rid}") if k]
-        with self._lock:
-            for key in keys:
-                addr = self._sticky.get(key)
-                if addr is not None:
-                    self._sticky.move_to_end(key)
-                    self._remember(keys, addr)
-                    return addr, True
-            addr = self._next_healthy()
-            self._remember(keys, addr)
-            return addr, False
-
-    def _next_healthy(self, exclude: set[str] | None = None) -> str:
-        """The least-loaded server (fewest generations in flight) that is not marked down;
-        ties go round-robin."""
-        now = time.monotonic()
-        n = len(self.addresses)
-        order = [self.addresses[(self._rr + i) % n] for i in range(n)]
-        healthy = [
-            a for a in order if self._down_until.get(a, 0.0) <= now and a not in (exclude or ())
-        ]
-        if healthy:
-            addr = min(healthy, key=lambda a: self._inflight.get(a, 0))
-            self._rr = (self.addresses.index(addr) + 1) % n
-            return addr
-        # Everything looks down: try the next one anyway (it may be back).
-        addr = self.addresses[self._rr % n]
-        self._rr += 1
-        return addr
-
-    @contextlib.contextmanager
-    def _in_flight(self, addr: str) -> Iterator[None]:
-        """Count a request against ``addr`` while it runs (least-loaded routing reads it)."""
-        with self._lock:
-            self._inflight[addr] = self._inflight.get(addr, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inflight[addr] -= 1
-
-    def _remember(self, keys: list[str], addr: str) -> None:
-        for key in keys:
-            self._sticky[key] = addr
-            self._sticky.move_to_end(key)
-        while len(self._sticky) > self._sticky_max:
-            self._sticky.popitem(last=False)
+        return self.router.route(req)
 
     def _rebind(self, req: ModelRequest, addr: str) -> None:
-        keys = [k for k in (self._sticky_key(req), f"rid:{req.rid}") if k]
-        with self._lock:
-            self._remember(keys, addr)
-
-    def _mark_down(self, addr: str) -> None:
-        with self._lock:
-            self._down_until[addr] = time.monotonic() + self.down_cooldown
-
-    def _mark_up(self, addr: str) -> None:
-        if addr in self._down_until:
-            with self._lock:
-                self._down_until.pop(addr, None)
+        self.router.rebind(req, addr)
 
     # ------------------------------------------------------------------ HTTP with retries
 
@@ -464,29 +342,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def _payload(self, req: ModelRequest, prefix: list[int], remaining: int, n: int) -> dict:
-        payload = {
-            "input_ids": list(req.input_ids) + prefix,
-            "sampling_params": sampling_params_from_gconfig(req.gconfig, remaining),
-            "return_logprob": True,
-            "stream": False,
-        }
-        # SGLang refuses a rid that is still in flight; a re-submission gets its own.
-        payload["rid"] = req.rid if n == 0 else f"{req.rid}-r{n}"
-        return payload
-
     async def _wait_resumed(self) -> None:
         while not self._resumed.is_set():
             if self._destroyed:
                 raise EngineUnavailableError("SGLangEngine was destroyed")
             await asyncio.sleep(0.02)
-
-    def _versions(self, meta: dict, n_tokens: int) -> list[int]:
-        versions = meta.get("output_token_versions")
-        if isinstance(versions, list) and len(versions) == n_tokens:
-            return [int(v) for v in versions]
-        v = _parse_version(meta.get("weight_version"))
-        return [self._version if v is None else v] * n_tokens
 
     async def _post_generate(self, req: ModelRequest, payload: dict) -> tuple[str, dict]:
         """Send one /generate to the request's server, failing over only before it is bound."""
@@ -494,18 +354,17 @@ class SGLangEngine:
         tried: set[str] = set()
         while True:
             try:
-                with self._in_flight(addr):
+                with self.router.in_flight(addr):
                     out = await self._apost(addr, routes.GENERATE, payload)
-                self._mark_up(addr)
+                self.router.mark_up(addr)
                 return addr, out
             except EngineUnavailableError:
-                self._mark_down(addr)
+                self.router.mark_down(addr)
                 tried.add(addr)
                 # A fresh request may move to another server; a sticky one names its server.
                 if sticky or len(tried) >= len(self.addresses):
                     raise
-                with self._lock:
-                    addr = self._next_healthy(exclude=tried)
+                addr = self.router.next_healthy(exclude=tried)
                 if addr in tried:
                     raise
                 logger.warning("failing over request %s to %s", req.rid, addr)
@@ -519,7 +378,7 @@ class SGLangEngine:
         assert final is not None  # the segment loop always ends with the final chunk
         return final
 
-    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         """Stream tokens via SGLang's SSE (``stream: true``), continuing aborted segments."""
         async with contextlib.aclosing(self._generate_segments(req, stream=True)) as chunks:
             async for chunk in chunks:
@@ -527,7 +386,7 @@ class SGLangEngine:
 
     async def _generate_segments(
         self, req: ModelRequest, *, stream: bool
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         """The abort/resubmit loop shared by ``agenerate`` and ``agenerate_stream``.
 
         Each segment is one /generate (SSE when ``stream``); a segment aborted by a pause or a
@@ -551,7 +410,7 @@ class SGLangEngine:
                 stop_reason = "length"
                 break
             await self._wait_resumed()
-            payload = self._payload(req, tokens, remaining, n)
+            payload = generate_payload(req, tokens, remaining, n)
             n += 1
             seg_start = len(tokens)
             meta: dict = {}
@@ -565,7 +424,7 @@ class SGLangEngine:
                 logprobs += new_lps
                 versions += new_versions
                 yield StreamChunk(token_ids=new_ids, logprobs=new_lps, versions=new_versions)
-            stop_reason = _stop_reason(meta.get("finish_reason"))
+            stop_reason = stop_reason_of(meta.get("finish_reason"))
             if stop_reason != "abort":
                 break
             # Aborted (pause / weight update): continue from the tokens so far after the pause.
@@ -594,17 +453,21 @@ class SGLangEngine:
         events with the tokens already received (cumulative events) dropped."""
         if not stream:
             _, out = await self._post_generate(req, payload)
-            ids, lps, meta = _parse_generate_output(out)
-            yield ids, lps, self._versions(meta, len(ids)), meta
+            ids, lps, meta = parse_generate_output(out)
+            yield ids, lps, token_versions(self._version, meta, len(ids)), meta
             return
         payload["stream"] = True
         have = 0
         async for out in self._stream_segment(req, payload):
-            seg_ids, seg_lps, meta = _parse_generate_output(out)
+            seg_ids, seg_lps, meta = parse_generate_output(out)
             skip = stream_skip(have, len(seg_ids), meta)
             if skip < 0:
                 raise EngineUnavailableError(f"stream for {req.rid} skipped tokens")
-            new_versions = self._versions(meta, len(seg_ids))[skip:] if len(seg_ids) > skip else []
+            new_versions = (
+                token_versions(self._version, meta, len(seg_ids))[skip:]
+                if len(seg_ids) > skip
+                else []
+            )
             new_ids = seg_ids[skip:]
             have += len(new_ids)
             yield new_ids, seg_lps[skip:], new_versions, meta
@@ -637,22 +500,21 @@ class SGLangEngine:
                     continue
                 break
             else:
-                self._mark_down(addr)
+                self.router.mark_down(addr)
                 tried.add(addr)
                 error = self._unavailable(addr, last or RuntimeError("no answer"))
                 if sticky or len(tried) >= len(self.addresses):
                     raise error
-                with self._lock:
-                    nxt = self._next_healthy(exclude=tried)
+                nxt = self.router.next_healthy(exclude=tried)
                 if nxt in tried:
                     raise error
                 addr = nxt
                 self._rebind(req, addr)
                 continue
             break
-        self._mark_up(addr)
-        with self._lock:
-            self._inflight[addr] = self._inflight.get(addr, 0) + 1
+        self.router.mark_up(addr)
+        counted = self.router.in_flight(addr)
+        counted.__enter__()
         try:
             if resp.status_code >= 400:
                 await resp.aread()
@@ -674,8 +536,7 @@ class SGLangEngine:
             except httpx.TransportError as e:
                 raise EngineUnavailableError(f"server {addr} broke the stream: {e}") from None
         finally:
-            with self._lock:
-                self._inflight[addr] -= 1
+            counted.__exit__(None, None, None)
             await resp.aclose()
 
     # ------------------------------------------------------------------ control
@@ -736,6 +597,10 @@ class SGLangEngine:
         self._broadcast(routes.UPDATE_WEIGHT_VERSION, {"new_version": str(int(version))})
         self._version = int(version)
 
+    def stats(self) -> dict[str, float]:
+        """Server counts (per-server engine stats live behind ``/get_server_info``)."""
+        return {"servers": float(len(self.addresses)), "servers_up": float(self.router.up())}
+
     def health(self) -> dict[str, bool]:
         """``{address: healthy}`` from one ``GET /health`` each (no retries)."""
         out = {}
@@ -747,35 +612,3 @@ class SGLangEngine:
             except httpx.TransportError:
                 out[addr] = False
         return out
-
-
-def stream_skip(have: int, n_ids: int, meta: dict) -> int:
-    """How many of an SSE event's ``n_ids`` output ids we already hold (``have`` so far).
-
-    Events are cumulative (SGLang's default) or deltas (``--incremental-streaming-output``, and
-    ``areal-env serve``); ``completion_tokens`` (the running total) tells where the ids start.
-    A negative answer means tokens were skipped.
-    """
-    total = int(meta.get("completion_tokens") or n_ids)
-    return have - max(0, total - n_ids)
-
-
-def _parse_generate_output(out: Any) -> tuple[list[int], list[float], dict]:
-    """``/generate`` answer → (output ids, their logprobs, meta_info)."""
-    if isinstance(out, list):  # a batch answer; we always send one prompt
-        out = out[0]
-    if not isinstance(out, dict) or "meta_info" not in out:
-        raise ValueError(f"unexpected /generate answer: {str(out)[:300]}")
-    meta = out["meta_info"]
-    entries = meta.get("output_token_logprobs") or []
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
-    ids = out.get("output_ids")
-    if ids is None:
-        ids = [int(e[1]) for e in entries]
-    ids = [int(t) for t in ids]
-    if len(logprobs) != len(ids):
-        raise ValueError(
-            f"/generate returned {len(ids)} output ids but {len(logprobs)} logprobs "
-            "(was return_logprob honoured?)"
-        )
-    return ids, logprobs, meta

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +153,7 @@ class ScriptedEngine:
             await asyncio.sleep(reply.delay)
         return self._response(req, reply)
 
-    async def agenerate_stream(self, req: ModelRequest) -> AsyncIterator[StreamChunk]:
+    async def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         reply = await self._admit(req)
         resp = self._response(req, reply)
         step = max(1, self.stream_chunk_tokens)

@@ -10,6 +10,7 @@ table here, so an SDK raises the same typed exception (``openai.NotFoundError``,
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +53,7 @@ ANTHROPIC_ERROR_TYPES: dict[int, str] = {
 }
 
 
+@dataclass(eq=False)
 class HTTPError(Exception):
     """A failure the client should see, with its HTTP status.
 
@@ -59,19 +61,14 @@ class HTTPError(Exception):
     ``code`` is a machine-readable reason (``session_ended``, ``context_length_exceeded``, ...).
     """
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+    status: int
+    message: str
+    _: KW_ONLY
+    param: str | None = None
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:

@@ -15,7 +15,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import httpx
@@ -25,7 +26,7 @@ from areal_env.http.net import bind_socket, url_host
 
 logger = logging.getLogger(__name__)
 
-Background = Callable[[], Awaitable[Any]]
+Background = Callable[[], Coroutine[Any, Any, Any]]
 
 
 def uvicorn_config(
@@ -61,39 +62,30 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, background: Backgr
                 await task
 
 
+@dataclass
 class ServerThread:
     """``app`` served on ``host:port`` from a daemon thread: ``start()``, ``stop()``, ``port``.
 
     ``background``: a coroutine function run on the server's loop while it serves (cancelled at
     stop), e.g. a maintenance loop. ``health_path``: ``start()`` also waits for a 200 there.
+    ``before_start``: called once the socket is bound, before the thread starts.
+    ``options``: :func:`uvicorn_config` keywords (``log_level``, ``ssl_keyfile``, ...).
     """
 
-    def __init__(
-        self,
-        app: Any,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        name: str = "http",
-        scheme: str = "http",
-        health_path: str | None = None,
-        background: Background | None = None,
-        before_start: Callable[[], None] | None = None,
-        **config: Any,
-    ) -> None:
-        self.app = app
-        self.host = host
-        self.port = port
-        self.name = name
-        self.scheme = scheme
-        self.health_path = health_path
-        self.background = background
-        self.before_start = before_start
-        self._config = config
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-        self._error: BaseException | None = None
+    app: Any
+    host: str = "127.0.0.1"
+    port: int = 0
+    _: KW_ONLY
+    name: str = "http"
+    scheme: str = "http"
+    health_path: str | None = None
+    background: Background | None = None
+    before_start: Callable[[], None] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    _server: uvicorn.Server | None = field(default=None, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _sock: socket.socket | None = field(default=None, init=False, repr=False)
+    _error: BaseException | None = field(default=None, init=False, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -108,8 +100,9 @@ class ServerThread:
             return
         self._sock = sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._server = server = uvicorn.Server(uvicorn_config(self.app, **self._config))
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._server = server = uvicorn.Server(uvicorn_config(self.app, **self.options))
+        # Signals belong to the host application, not to a server in a helper thread.
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
         if self.before_start is not None:
             self.before_start()
         loop_factory = server.config.get_loop_factory()

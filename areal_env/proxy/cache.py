@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_env.proxy.content import content_summary
+
 logger = logging.getLogger(__name__)
 
 ExportStyle = Literal["individual", "concat"]
@@ -82,30 +84,6 @@ class Interaction:
 # ---- canonical form and hashing --------------------------------------------------------------
 
 
-def content_text(content: Any) -> str:
-    """Message content as plain text: None → "", a list of parts → their text joined by "\\n".
-
-    Non-text parts are represented by their type (``[image_url]``) so that they still count.
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        pieces = []
-        for part in content:
-            if isinstance(part, str):
-                pieces.append(part)
-            elif isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    pieces.append(text)
-                else:
-                    pieces.append(f"[{part.get('type', 'part')}]")
-        return "\n".join(pieces)
-    return str(content)
-
-
 @functools.lru_cache(maxsize=8192)
 def _canonical_arguments_str(arguments: str) -> str:
     try:
@@ -123,26 +101,6 @@ def _canonical_arguments(arguments: Any) -> str:
         return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(arguments)
-
-
-def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
-    calls = message.get("tool_calls") or []
-    return [c for c in calls if isinstance(c, dict)]
-
-
-def canonical_message(message: dict[str, Any]) -> tuple:
-    """The hashed part of a message (ids excluded; see the module docstring)."""
-    role = message.get("role")
-    if role == "developer":
-        role = "system"
-    calls = tuple(
-        (
-            (c.get("function") or {}).get("name"),
-            _canonical_arguments((c.get("function") or {}).get("arguments")),
-        )
-        for c in _tool_calls(message)
-    )
-    return (role, content_text(message.get("content")).strip(), calls)
 
 
 def _message_ids(message: dict[str, Any]) -> tuple[tuple[str | None, ...], str | None]:
@@ -164,18 +122,13 @@ def _ids_compatible_sig(
     return all(not (x and y) or x == y for x, y in zip(calls_a, calls_b, strict=False))
 
 
-def _ids_compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Tool-call ids agree wherever both messages carry them."""
-    return _ids_compatible_sig(_message_ids(a), _message_ids(b))
-
-
 def _message_bytes(message: dict[str, Any]) -> bytes:
     """Unambiguous bytes of the canonical message (length-prefixed fields)."""
     role = message.get("role")
     if role == "developer":
         role = "system"
     content = message.get("content")
-    text = (content if isinstance(content, str) else content_text(content)).strip()
+    text = content_summary(content).strip()
     role = str(role)
     out = f"{len(role)}:{role}{len(text)}:{text}"
     calls = message.get("tool_calls")
@@ -191,19 +144,6 @@ def _message_bytes(message: dict[str, Any]) -> bytes:
 
 def _hasher() -> Any:
     return hashlib.blake2b(digest_size=16)
-
-
-def prefix_keys(messages: list[dict[str, Any]]) -> list[bytes]:
-    """Running hashes: ``keys[i]`` identifies ``messages[: i + 1]`` in canonical form."""
-    h = _hasher()
-    keys: list[bytes] = []
-    for message in messages:
-        h.update(_message_bytes(message))
-        keys.append(h.digest())
-    return keys
-
-
-# ---- the cache -------------------------------------------------------------------------------
 
 
 class InteractionCache:
@@ -501,40 +441,3 @@ class InteractionCache:
             "versions": [int(v) for v in versions],
             "reward": float(reward),
         }
-
-
-def to_tensor_dict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Right-padded batch of export rows (in the dict's order).
-
-    Keys: ``input_ids`` int64 [B, L] (padding 0), ``attention_mask`` bool, ``loss_mask`` int32,
-    ``logprobs`` float32 (0 on prompt and padding), ``versions`` int32 (-1 on prompt and
-    padding), ``rewards`` float32 [B]. ``ValueError`` for no rows or misaligned row lists.
-    """
-    import torch
-
-    if not rows:
-        raise ValueError("to_tensor_dict needs at least one row")
-    values = list(rows.values())
-    for row_id, row in rows.items():
-        n = len(row["input_ids"])
-        if any(len(row[k]) != n for k in ("loss_mask", "logprobs", "versions")):
-            raise ValueError(
-                f"row {row_id!r}: input_ids/loss_mask/logprobs/versions lengths differ"
-            )
-    batch, length = len(values), max(len(r["input_ids"]) for r in values)
-    out = {
-        "input_ids": torch.zeros(batch, length, dtype=torch.int64),
-        "attention_mask": torch.zeros(batch, length, dtype=torch.bool),
-        "loss_mask": torch.zeros(batch, length, dtype=torch.int32),
-        "logprobs": torch.zeros(batch, length, dtype=torch.float32),
-        "versions": torch.full((batch, length), -1, dtype=torch.int32),
-        "rewards": torch.tensor([float(r["reward"]) for r in values], dtype=torch.float32),
-    }
-    for b, row in enumerate(values):
-        n = len(row["input_ids"])
-        out["input_ids"][b, :n] = torch.tensor(row["input_ids"], dtype=torch.int64)
-        out["attention_mask"][b, :n] = True
-        out["loss_mask"][b, :n] = torch.tensor(row["loss_mask"], dtype=torch.int32)
-        out["logprobs"][b, :n] = torch.tensor(row["logprobs"], dtype=torch.float32)
-        out["versions"][b, :n] = torch.tensor(row["versions"], dtype=torch.int32)
-    return out

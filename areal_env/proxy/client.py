@@ -150,11 +150,11 @@ class OpenAIProxyClient:
             raise RuntimeError("the session is not started (use `async with` or start())")
         return self.api_key
 
-    async def set_reward(self, reward: float, interaction_id: str | None = None) -> None:
+    async def set_reward(self, reward: float, completion_id: str | None = None) -> None:
         """Reward a completion (by its response id), or the last one when ``None``."""
         body: dict[str, Any] = {"reward": reward}
-        if interaction_id is not None:
-            body["interaction_id"] = interaction_id
+        if completion_id is not None:
+            body["completion_id"] = completion_id
         await _post(
             self.http, self.base_url + routes.SET_REWARD, self._require(), body, self.max_retries
         )

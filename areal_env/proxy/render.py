@@ -22,26 +22,23 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from areal_env.proxy.content import ContentError, content_text
+from areal_env.proxy.output import ParsedOutput, parse_completion, recover_calls
+from areal_env.proxy.tool_json import normalize_arguments
 from areal_env.proxy.tool_parsers import (
     ToolParser,
     detect_tool_parser,
     function_specs,
     get_tool_parser,
-    normalize_arguments,
     tool_choice_name,
 )
 
 if TYPE_CHECKING:
     from areal_env.proxy.cache import Interaction
-
-try:
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - then tool prompts are simply rebuilt each time
-    _orjson = None
 
 logger = logging.getLogger(__name__)
 
@@ -64,62 +61,18 @@ class RenderError(ValueError):
     """Messages the template cannot render (bad roles/parts, template errors); HTTP 400."""
 
 
-@dataclass
-class ParsedOutput:
-    """A completion turned into an OpenAI-style assistant message."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str = "stop"
-    """``stop`` | ``length`` | ``tool_calls``."""
-    tool_parse_error: bool = False
-    """The text looked like a tool call but could not be parsed (then see ``tool_call_recovery``)."""
-    tool_call_recovery: str | None = None
-    """After a parse error: ``raw_arguments`` (returned as tool calls carrying the model's raw
-    arguments text) or ``markup_removed`` (returned as plain text with the markup taken out)."""
-    reasoning: str | None = None
-    """Text inside a leading ``<think>...</think>`` block, if the model wrote one."""
-    text: str = ""
-    """The full generated text (with any prefilled call start), for logs and debugging."""
-
-    def to_message(self) -> dict[str, Any]:
-        """The OpenAI assistant message (what the cache stores as ``output_message``)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        return msg
-
-
 @functools.lru_cache(maxsize=4096)
 def _normalized_arguments(raw: str) -> str | None:
     """``normalize_arguments`` of a string, cached: histories repeat the same calls each turn."""
     return normalize_arguments(raw)
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def _text_of(content: Any, where: str) -> str:
-    """Content (None, str or list of text parts) as text; RenderError for non-text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        pieces = []
-        for part in content:
-            if isinstance(part, str):
-                pieces.append(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                pieces.append(part["text"])
-            elif isinstance(part, dict) and isinstance(part.get("content"), (str, list)):
-                pieces.append(_text_of(part["content"], where))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RenderError(f"{where}: content part of type {kind!r} is not supported")
-        return "\n".join(pieces)
-    raise RenderError(f"{where}: content must be a string, null or a list of text parts")
+    """Content as text (tool results may nest parts); RenderError for non-text parts."""
+    try:
+        return content_text(content, where, nested=True)
+    except ContentError as e:
+        raise RenderError(str(e)) from None
 
 
 class ChatRenderer:
@@ -253,7 +206,7 @@ class ChatRenderer:
             "type": "function",
             "function": {"name": "probe_tool_zq", "arguments": '{"x": "1"}'},
         }
-        history = [
+        history: list[dict[str, Any]] = [
             {"role": "user", "content": "first question"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_p", "content": "r1"},
@@ -271,7 +224,8 @@ class ChatRenderer:
         ]
         text_end = [*history[:-1], {"role": "assistant", "content": "plain"}]
         try:
-            for system in ([], [{"role": "system", "content": "be good"}]):
+            systems: list[list[dict[str, Any]]] = [[], [{"role": "system", "content": "be good"}]]
+            for system in systems:
                 for hist in (history, text_end):
                     prefix = [*system, *hist]
                     for new in news:
@@ -426,12 +380,8 @@ class ChatRenderer:
         render (twice per spliced turn).
         """
         try:
-            key: bytes | None = (
-                _orjson.dumps([offered, tool_choice], option=_orjson.OPT_SORT_KEYS)
-                if _orjson is not None
-                else None
-            )
-        except (TypeError, _orjson.JSONEncodeError):
+            key: bytes | None = orjson.dumps([offered, tool_choice], option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
             key = None
         hit = self._tool_prompt_cache.get(key) if key is not None else None
         if hit is not None:
@@ -602,10 +552,8 @@ class ChatRenderer:
         """Decode a completion and parse its tool calls; never raises on model output.
 
         Pass the request's ``tool_choice`` when it was ``required``/named so the prefilled call
-        start is parsed with the output. Calls are parsed only when tools were offered. Calls
-        naming tools that were not offered are still returned (the agent decides).
-        ``finish_reason``: ``tool_calls`` when calls were parsed, ``length`` when the output was
-        cut (by length or an abort), else ``stop``.
+        start is parsed with the output. Calls are parsed only when tools were offered (see
+        :func:`~areal_env.proxy.output.parse_completion`).
         """
         ids = list(output_ids)
         while ids and ids[-1] in self.stop_token_ids:
@@ -613,68 +561,14 @@ class ChatRenderer:
         text = self.prefill_text(tools, tool_choice) + self.tokenizer.decode(
             ids, skip_special_tokens=False
         )
-        reasoning = None
-        body = text
-        stripped = body.lstrip()
-        if stripped.startswith("<think>") and "</think>" in stripped:
-            inner, body = stripped[len("<think>") :].split("</think>", 1)
-            reasoning = inner.strip() or None
-            body = body.lstrip()
-        calls: list[dict[str, str]] = []
-        error = False
-        recovery: str | None = None
-        content: str | None = body
-        if self._offered_tools(tools, tool_choice):
-            content, calls, error = self.parser.safe_parse(body)
-            if error:
-                content, calls, recovery = self._recover(body, tools, tool_choice)
-        content = self._clean(content or "")
-        truncated = stop_reason in ("length", "abort")
-        if calls:
-            finish = "tool_calls"
-        else:
-            finish = "length" if truncated else "stop"
-        return ParsedOutput(
-            content=(content or None) if calls else content,
-            tool_calls=[
-                {
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {"name": c["name"], "arguments": c["arguments"]},
-                }
-                for c in calls
-            ],
-            finish_reason=finish,
-            tool_parse_error=error,
-            tool_call_recovery=recovery,
-            reasoning=reasoning,
-            text=text,
+        parser = self.parser if self._offered_tools(tools, tool_choice) else None
+        return parse_completion(
+            text,
+            stop_reason,
+            parser,
+            self._clean,
+            recover=lambda body: recover_calls(self.parser, body, tools, tool_choice),
         )
-
-    def _recover(
-        self, body: str, tools: Any, tool_choice: Any
-    ) -> tuple[str | None, list[dict[str, str]], str]:
-        """Keep the protocol's promises for call markup that did not parse.
-
-        OpenAI's contract: a forced (named or ``required``) tool_choice always yields a tool
-        call, and ``arguments`` is the model's text, which may be invalid JSON (agent frameworks
-        answer that with their own validation error: a training signal). So: calls whose name
-        can be read come back as tool calls with their raw arguments; under a forced choice with
-        no readable name the forced (or, for ``required``, the only/first offered) tool is called
-        with the raw arguments text; otherwise the reply is plain text with the markup removed.
-        Never markup in the content.
-        """
-        found = self.parser.salvage(body)
-        calls = list(found.calls)
-        forced = tool_choice_name(tool_choice)
-        if not calls and (forced or tool_choice == "required"):
-            names = [f["name"] for f in function_specs(tools)]
-            name = forced or (names[0] if names else None)
-            if name:
-                calls = [{"name": name, "arguments": found.raw_arguments or ""}]
-        if calls:
-            return found.content, calls, "raw_arguments"
-        return found.content, [], "markup_removed"
 
     def _clean(self, text: str) -> str:
         for tok in self._strip_texts:

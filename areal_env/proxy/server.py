@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from areal_env.api.config import ProxyConfig
+from areal_env.api.engine import InferenceEngine
 from areal_env.http import routes
 from areal_env.http.net import is_loopback, url_host
 from areal_env.http.runner import ServerThread
@@ -71,7 +72,7 @@ class ProxyServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: InferenceEngine,
         tokenizer: Any,
         config: ProxyConfig | None = None,
         *,
@@ -172,15 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.model or DEFAULT_MODEL
     path = str(resolve_model_path(name))
-    cfg = ProxyConfig(
-        host=args.host,
-        port=args.port,
-        admin_key=args.admin_key,
-        tool_parser=args.tool_parser,
-        initial_capacity=args.initial_capacity,
-        session_ttl=args.session_ttl,
-        model_name=name,
-    )
+    options = ("host", "port", "admin_key", "tool_parser", "initial_capacity", "session_ttl")
+    cfg = ProxyConfig(model_name=name, **{k: getattr(args, k) for k in options})
     try:
         cfg.validate()
         check_admin_key(cfg)

@@ -23,230 +23,23 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
 from typing import Any
+
+from areal_env.proxy.tool_json import (
+    Salvage,
+    as_object,
+    calls_from_values,
+    decode_prefix,
+    decode_sequence,
+    raw_argument_text,
+    recovered_arguments,
+    salvage_region,
+    strip_fences,
+)
 
 logger = logging.getLogger(__name__)
 
 ParseResult = tuple[str | None, list[dict[str, str]], bool]
-
-_FENCE_RE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
-_DECODER = json.JSONDecoder()
-
-
-def _strip_fences(text: str) -> str:
-    """Remove a surrounding markdown code fence (```json ... ```), if any."""
-    m = _FENCE_RE.match(text)
-    return m.group(1) if m else text
-
-
-def _decode_prefix(text: str) -> tuple[Any, str]:
-    """Decode the JSON value at the start of ``text`` (after whitespace); return it and the rest.
-
-    Raises ``ValueError`` when there is no JSON value there.
-    """
-    stripped = text.lstrip()
-    obj, end = _DECODER.raw_decode(stripped)
-    return obj, stripped[end:]
-
-
-def _decode_sequence(text: str, separators: str = ",;") -> tuple[list[Any], str]:
-    """Decode consecutive JSON values separated by whitespace or ``separators``.
-
-    Returns the values and the undecoded rest. Raises ``ValueError`` if the first value is bad.
-    """
-    values: list[Any] = []
-    rest = text
-    while True:
-        obj, rest = _decode_prefix(rest)
-        values.append(obj)
-        probe = rest.lstrip()
-        while probe[:1] and probe[0] in separators:
-            probe = probe[1:].lstrip()
-        if probe[:1] in ("{", "["):
-            rest = probe
-            continue
-        return values, rest
-
-
-def normalize_arguments(args: Any) -> str | None:
-    """Arguments as a JSON object string, or None if they are not a JSON object.
-
-    Accepts a dict, a JSON string holding an object, or None/"" (no arguments → ``"{}"``).
-    """
-    if args is None or args == "":
-        return "{}"
-    if isinstance(args, str):
-        try:
-            args = json.loads(_strip_fences(args))
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return json.dumps(args, ensure_ascii=False)
-
-
-def _normalize_call(obj: Any) -> dict[str, str] | None:
-    """One call object → ``{"name", "arguments"}``; None if it is not a valid call.
-
-    Tolerates ``parameters`` instead of ``arguments`` (Llama) and the OpenAI wrapper
-    ``{"type": "function", "function": {...}}``.
-    """
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict) and "name" not in obj:
-        obj = obj["function"]
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return None
-    raw = obj.get("arguments", obj.get("parameters"))
-    arguments = normalize_arguments(raw)
-    if arguments is None:
-        return None
-    return {"name": name.strip(), "arguments": arguments}
-
-
-def _calls_from_values(values: list[Any]) -> list[dict[str, str]] | None:
-    """Flatten decoded JSON values (objects or lists of objects) into calls; None on any bad one."""
-    calls: list[dict[str, str]] = []
-    for value in values:
-        items = value if isinstance(value, list) else [value]
-        if not items:
-            return None
-        for item in items:
-            call = _normalize_call(item)
-            if call is None:
-                return None
-            calls.append(call)
-    return calls
-
-
-def _as_object(arguments: Any) -> Any:
-    """Arguments (JSON string or dict) as a Python object for re-serialisation in prompts."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments if arguments is not None else {}
-
-
-@dataclass
-class Salvage:
-    """What can be recovered from tool-call markup that did not parse (see ``ToolParser.salvage``).
-
-    ``content``: the text with every piece of call markup removed (None when nothing is left).
-    ``calls``: ``{"name", "arguments"}`` for each call whose name could be read; ``arguments`` is
-    the model's own text (normalised JSON when it happens to be a valid object, else verbatim,
-    possibly invalid JSON, possibly empty), as OpenAI's contract allows.
-    ``raw_arguments``: the first arguments text found even without a readable name (used when
-    the request forced a call).
-    """
-
-    content: str | None
-    calls: list[dict[str, str]] = field(default_factory=list)
-    raw_arguments: str | None = None
-
-
-_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,256})"')
-_ARGS_KEY_RE = re.compile(r'"(?:arguments|parameters)"\s*:')
-_CLOSERS = {"{": "}", "[": "]"}
-
-
-def _balanced_end(text: str) -> int | None:
-    """Index just past the JSON-ish value opening ``text[0]`` (string-aware), None if unclosed.
-
-    Used on text that did NOT parse as JSON, so it only tracks brackets and string quotes.
-    """
-    if not text:
-        return None
-    if text[0] == '"':
-        i = 1
-        while i < len(text):
-            if text[i] == "\\":
-                i += 2
-                continue
-            if text[i] == '"':
-                return i + 1
-            i += 1
-        return None
-    stack = [_CLOSERS[text[0]]]
-    in_str = False
-    i = 1
-    while i < len(text):
-        ch = text[i]
-        if in_str:
-            if ch == "\\":
-                i += 1
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in _CLOSERS:
-            stack.append(_CLOSERS[ch])
-        elif ch in "}]":
-            if ch != stack[-1]:
-                return None
-            stack.pop()
-            if not stack:
-                return i + 1
-        i += 1
-    return None
-
-
-def raw_argument_text(segment: str, wrapper_closers: str = "}]") -> str:
-    """The model's arguments text at the start of ``segment`` (what follows ``"arguments":``).
-
-    A balanced ``{...}``/``[...]``/``"..."`` value is taken as written (even if it is not valid
-    JSON inside); otherwise the rest of the segment, minus the closers of the call wrapper.
-    """
-    seg = segment.strip()
-    if seg[:1] in ("{", "[", '"'):
-        end = _balanced_end(seg)
-        if end is not None:
-            return seg[:end]
-        return seg
-    return seg.rstrip(wrapper_closers + " \n\t,")
-
-
-def _name_text(raw: str) -> str:
-    try:
-        name = json.loads(f'"{raw}"')
-    except ValueError:
-        name = raw
-    return name.strip() if isinstance(name, str) else ""
-
-
-def _recovered_arguments(raw: str) -> str:
-    """Normalised JSON if ``raw`` is a valid object, else the raw text itself."""
-    normalized = normalize_arguments(raw) if raw else None
-    return normalized if normalized is not None else raw
-
-
-def salvage_region(region: str, content: str | None) -> Salvage:
-    """Read call names and raw arguments out of markup ``region`` by pattern, not by parsing."""
-    calls: list[dict[str, str]] = []
-    names = list(_NAME_RE.finditer(region))
-    first_args: str | None = None
-    for i, m in enumerate(names):
-        stop = names[i + 1].start() if i + 1 < len(names) else len(region)
-        seg = region[m.end() : stop]
-        key = _ARGS_KEY_RE.search(seg)
-        raw = raw_argument_text(seg[key.end() :]) if key else ""
-        if first_args is None and key:
-            first_args = raw
-        name = _name_text(m.group(1))
-        if name:
-            calls.append({"name": name, "arguments": _recovered_arguments(raw)})
-    if first_args is None:
-        key = _ARGS_KEY_RE.search(region)
-        if key:
-            first_args = raw_argument_text(region[key.end() :])
-    return Salvage(
-        content=(content.strip() or None) if content else None,
-        calls=calls,
-        raw_arguments=first_args,
-    )
 
 
 def _plain(text: str) -> ParseResult:
@@ -262,6 +55,8 @@ def _example_value(schema: dict[str, Any], index: int = 0) -> Any:
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "string")
+    if not isinstance(kind, str):
+        kind = "string"
     return {
         "integer": 3 + 2 * index,
         "number": 2.5 + index,
@@ -415,12 +210,12 @@ class HermesParser(ToolParser):
             return _plain(text)
         calls: list[dict[str, str]] = []
         for block in self._block_re.findall(text):
-            body = _strip_fences(block.strip()).strip()
+            body = strip_fences(block.strip()).strip()
             try:
-                values, _rest = _decode_sequence(body)
+                values, _rest = decode_sequence(body)
             except ValueError:
                 return text, [], True
-            parsed = _calls_from_values(values)
+            parsed = calls_from_values(values)
             if parsed is None:
                 return text, [], True
             calls.extend(parsed)
@@ -433,7 +228,7 @@ class HermesParser(ToolParser):
         return outside, region
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "arguments": _as_object(c.get("arguments"))} for c in calls]
+        items = [{"name": c["name"], "arguments": as_object(c.get("arguments"))} for c in calls]
         return f"<tool_call>{json.dumps(items, ensure_ascii=False)}</tool_call>"
 
     def prefill(self, name: str | None) -> str:
@@ -454,7 +249,7 @@ class QwenParser(HermesParser):
         return "\n".join(
             "<tool_call>\n"
             + json.dumps(
-                {"name": c["name"], "arguments": _as_object(c.get("arguments"))},
+                {"name": c["name"], "arguments": as_object(c.get("arguments"))},
                 ensure_ascii=False,
             )
             + "\n</tool_call>"
@@ -482,16 +277,16 @@ class Llama3Parser(ToolParser):
     def parse(self, text: str) -> ParseResult:
         tagged = self.python_tag in text
         before, body = text.split(self.python_tag, 1) if tagged else ("", text)
-        body = _strip_fences(body.strip()).strip()
+        body = strip_fences(body.strip()).strip()
         if not body.startswith(("{", "[")):
             return (text, [], True) if tagged else _plain(text)
         try:
-            values, rest = _decode_sequence(body)
+            values, rest = decode_sequence(body)
         except ValueError:
             if tagged or self._looks_like_call.match(body):
                 return text, [], True
             return _plain(text)
-        calls = _calls_from_values(values)
+        calls = calls_from_values(values)
         if calls is None:
             if tagged or self._looks_like_call.match(body):
                 return text, [], True
@@ -503,14 +298,14 @@ class Llama3Parser(ToolParser):
         if self.python_tag in text:
             before, body = text.split(self.python_tag, 1)
             return before, body
-        if self._looks_like_call.match(_strip_fences(text.strip()).strip()):
+        if self._looks_like_call.match(strip_fences(text.strip()).strip()):
             return "", text
         return text, ""
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
         return "; ".join(
             json.dumps(
-                {"name": c["name"], "parameters": _as_object(c.get("arguments"))},
+                {"name": c["name"], "parameters": as_object(c.get("arguments"))},
                 ensure_ascii=False,
             )
             for c in calls
@@ -537,22 +332,22 @@ class MistralParser(ToolParser):
         calls: list[dict[str, str]] = []
         trailing: list[str] = []
         for seg in segments:
-            body = _strip_fences(seg.strip()).strip()
+            body = strip_fences(seg.strip()).strip()
             if body.startswith(("[", "{")):
                 try:
-                    values, rest = _decode_sequence(body)
+                    values, rest = decode_sequence(body)
                 except ValueError:
                     return text, [], True
-                parsed = _calls_from_values(values)
+                parsed = calls_from_values(values)
             else:
                 m = self._args_re.match(body)
                 if not m:
                     return text, [], True
                 try:
-                    args, rest = _decode_prefix(body[m.end() :])
+                    args, rest = decode_prefix(body[m.end() :])
                 except ValueError:
                     return text, [], True
-                parsed = _calls_from_values([{"name": m.group(1), "arguments": args}])
+                parsed = calls_from_values([{"name": m.group(1), "arguments": args}])
             if parsed is None:
                 return text, [], True
             calls.extend(parsed)
@@ -575,13 +370,13 @@ class MistralParser(ToolParser):
             m = self._args_re.match(seg.strip())
             if m:
                 raw = raw_argument_text(seg.strip()[m.end() :])
-                found.calls.append({"name": m.group(1), "arguments": _recovered_arguments(raw)})
+                found.calls.append({"name": m.group(1), "arguments": recovered_arguments(raw)})
                 if found.raw_arguments is None:
                     found.raw_arguments = raw
         return found
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "arguments": _as_object(c.get("arguments"))} for c in calls]
+        items = [{"name": c["name"], "arguments": as_object(c.get("arguments"))} for c in calls]
         return self.marker + json.dumps(items, ensure_ascii=False)
 
     def prefill(self, name: str | None) -> str:

@@ -223,7 +223,9 @@ class KeyStore:
         return user
 
     def is_admin(self, key: str | None) -> bool:
-        return bool(key) and hmac.compare_digest(digest(key), self._admin_digest)
+        return (
+            key is not None and bool(key) and hmac.compare_digest(digest(key), self._admin_digest)
+        )
 
     def acquire(self, user: UserKey) -> None:
         """Count one more open session for ``user`` or raise ``QuotaExceededError``."""

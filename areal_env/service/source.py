@@ -29,11 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_env.api.rows import TrainingRow, rows_from_export
+from areal_env.api.source import SourceClosedError
+from areal_env.workflow.batch import collate, number_groups
+
+__all__ = ["ExternalTrajectorySource", "SourceClosedError"]
+
 logger = logging.getLogger(__name__)
-
-
-class SourceClosedError(RuntimeError):
-    """The source was closed while a batch was awaited (the service is shutting down)."""
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Trajectory:
 
     traj_id: int
     group_key: str
-    rows: list[dict[str, Any]]
+    rows: list[TrainingRow]
     reward: float
     min_version: int | None
     """Oldest weights version among the generated tokens (None: no generated tokens)."""
@@ -64,22 +66,15 @@ class _Group:
     """Members that failed and will not be retried: the group stops waiting for them."""
 
 
-def _row_versions(row: dict[str, Any]) -> list[int]:
-    versions = row.get("versions") or []
-    mask = row.get("loss_mask") or [1] * len(versions)
-    return [int(v) for v, m in zip(versions, mask, strict=False) if m and int(v) >= 0]
-
-
 def _to_trajectory(traj_id: int, group_key: str, record: dict[str, Any]) -> Trajectory:
-    rows_obj = record.get("trajectories", record.get("rows", {}))
-    rows = list(rows_obj.values()) if isinstance(rows_obj, dict) else list(rows_obj)
+    rows = rows_from_export(record.get("trajectories", record.get("rows", {})))
     if not rows:
         raise ValueError("trajectory has no rows (the session made no completions)")
-    versions = [v for r in rows for v in _row_versions(r)]
+    versions = [v for r in rows for v in r.generated_versions()]
     if record.get("final_reward") is not None:
         reward = float(record["final_reward"])
     else:
-        reward = sum(float(r.get("reward", 0.0)) for r in rows) / len(rows)
+        reward = sum(r.reward for r in rows) / len(rows)
     return Trajectory(
         traj_id=traj_id,
         group_key=group_key,
@@ -87,65 +82,18 @@ def _to_trajectory(traj_id: int, group_key: str, record: dict[str, Any]) -> Traj
         reward=reward,
         min_version=min(versions) if versions else None,
         max_version=max(versions) if versions else None,
-        num_tokens=sum(len(r["input_ids"]) for r in rows),
+        num_tokens=sum(r.num_tokens for r in rows),
         record=record,
     )
 
 
-def collate_rows(rows: list[dict[str, Any]], group_ids: list[int], traj_ids: list[int]) -> dict:
-    """Right-padded tensor batch (keys as ``to_tensor_dict`` plus ``group_ids``/``traj_ids``)."""
-    import torch
-
-    n = len(rows)
-    length = max(len(r["input_ids"]) for r in rows)
-    out = {
-        "input_ids": torch.zeros(n, length, dtype=torch.int64),
-        "attention_mask": torch.zeros(n, length, dtype=torch.bool),
-        "loss_mask": torch.zeros(n, length, dtype=torch.int32),
-        "logprobs": torch.zeros(n, length, dtype=torch.float32),
-        "versions": torch.full((n, length), -1, dtype=torch.int32),
-        "rewards": torch.tensor([float(r.get("reward", 0.0)) for r in rows], dtype=torch.float32),
-        "group_ids": torch.tensor(group_ids, dtype=torch.int64),
-        "traj_ids": torch.tensor(traj_ids, dtype=torch.int64),
-    }
-    for i, r in enumerate(rows):
-        k = len(r["input_ids"])
-        out["input_ids"][i, :k] = torch.tensor(r["input_ids"], dtype=torch.int64)
-        out["attention_mask"][i, :k] = True
-        for key, dtype in (("loss_mask", torch.int32), ("logprobs", torch.float32)):
-            vals = list(r.get(key) or [])[:k]
-            if vals:
-                out[key][i, : len(vals)] = torch.tensor(vals, dtype=dtype)
-        vers = list(r.get("versions") or [])[:k]
-        if vers:
-            out["versions"][i, : len(vers)] = torch.tensor(vers, dtype=torch.int32)
-    return out
-
-
 def _collate(groups: list[list[Trajectory]]) -> dict:
-    """One tensor batch; ``group_ids`` index the group in the batch, ``traj_ids`` the session.
-
-    Uses the workflow package's batching (one batch format for the trainer) when present.
-    """
-    rows: list[dict[str, Any]] = []
-    group_ids: list[int] = []
-    traj_ids: list[int] = []
-    for gi, group in enumerate(groups):
+    """One tensor batch; ``group_ids`` index the group in the batch, ``traj_ids`` the session."""
+    for group in groups:
         for traj in group:
             for row in traj.rows:
-                rows.append(row)
-                group_ids.append(gi)
-                traj_ids.append(traj.traj_id)
-    try:
-        from areal_env.workflow.batch import rows_to_tensor_dict
-    except ImportError:
-        return collate_rows(rows, group_ids, traj_ids)
-    import torch
-
-    out = rows_to_tensor_dict(rows)
-    out["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
-    out["traj_ids"] = torch.tensor(traj_ids, dtype=torch.int64)
-    return out
+                row.traj_id = traj.traj_id
+    return collate(number_groups([[r for t in g for r in t.rows] for g in groups]))
 
 
 class ExternalTrajectorySource:
@@ -162,8 +110,8 @@ class ExternalTrajectorySource:
         admission_control: bool = False,
         store: Any | None = None,
     ) -> None:
-        self.n_samples = int(n_samples or getattr(rollout, "n_samples", 1))
-        self.batch_size = int(batch_size or getattr(rollout, "batch_size", 1))
+        self.n_samples = int(n_samples or getattr(rollout, "n_samples", 1) or 1)
+        self.batch_size = int(batch_size or getattr(rollout, "batch_size", 1) or 1)
         if max_head_offpolicyness is None:
             max_head_offpolicyness = getattr(rollout, "max_head_offpolicyness", 0)
         self.max_head_offpolicyness = int(max_head_offpolicyness)
@@ -491,6 +439,8 @@ class ExternalTrajectorySource:
 
     uses_proxy = False
     """The trainer grants no proxy capacity for this source (the gateway admits sessions)."""
+    # The BatchSource protocol (areal_env.api.source): next_batch, set_version, last_episodes,
+    # aclose. The data lives with the external agents: nothing is submitted.
 
     async def next_batch(
         self,
@@ -566,8 +516,8 @@ class ExternalTrajectorySource:
                     pass
         except BaseException:
             with self._lock:  # cancelled or closed: give the groups back, oldest first
-                for group in reversed(selected):
-                    self._ready.appendleft(_Group(key=group[0].group_key, members=group))
+                for members in reversed(selected):
+                    self._ready.appendleft(_Group(key=members[0].group_key, members=members))
             raise
         finally:
             with self._lock:
@@ -625,9 +575,7 @@ class ExternalTrajectorySource:
             "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness/max": float(max(staleness)) if staleness else 0.0,
             "rows": float(sum(len(t.rows) for t in trajs)),
-            "tokens/output": float(
-                sum(sum(r.get("loss_mask") or []) for t in trajs for r in t.rows)
-            ),
+            "tokens/output": float(sum(r.num_trained for t in trajs for r in t.rows)),
             "tokens/total": float(sum(t.num_tokens for t in trajs)),
             "time/wall": waited,
         }

@@ -14,19 +14,18 @@ One training step:
 A batch where every episode was rejected skips the update (logged as ``update_skipped``) and
 training goes on. The trainer's model copy is separate from the engine's.
 
-External batch source: ``PPOTrainer(cfg, executor=source, engine=engine)`` takes batches from an
-executor-like object (e.g. the any-agent service's ``ExternalTrajectorySource``) instead of a
-dataset + workflow: no data loader, no proxy or executor of its own; step 1 becomes
-``executor.rollout_batch(None, trainer_version=v)`` (``next_batch`` when prefetching). Everything
-else — recover, metrics, dumps, plot, checkpoints — is the same loop. A passed-in engine is
-pushed to but never destroyed (its owner does that).
+Batches come from a :class:`~areal_env.api.source.BatchSource`: by default a
+``DatasetSource`` (dataset + workflow + ``RolloutExecutor`` through the trainer's own proxy);
+``PPOTrainer(cfg, source=src, engine=engine)`` takes them from any other source (e.g. the
+any-agent service's ``ExternalTrajectorySource``): no data loader, no proxy or executor of its
+own. Everything else — recover, metrics, dumps, plot, checkpoints — is the same loop. A
+passed-in engine is pushed to but never destroyed (its owner does that).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import logging
 import random
 import shutil
@@ -39,11 +38,27 @@ import numpy as np
 import torch
 
 from areal_env.api.config import ExperimentConfig, validate_config
+from areal_env.api.engine import InferenceEngine
+from areal_env.api.source import BatchSource, SourceClosedError, TensorBatch
+from areal_env.engine.factory import create_engine
+from areal_env.engine.models import resolve_model_path
+from areal_env.proxy.client import grant_capacity
+from areal_env.proxy.server import ProxyServer
 from areal_env.trainer import checkpoint as ckpt
 from areal_env.trainer import memory
-from areal_env.trainer.data import DataLoader
+from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.data import DataLoader, load_items
 from areal_env.trainer.dist import SINGLE
-from areal_env.trainer.stats import MetricsLogger, Progress, dump_records, plot_reward_curve
+from areal_env.trainer.feed import DatasetSource
+from areal_env.trainer.stats import (
+    MetricsLogger,
+    Progress,
+    dump_lines,
+    dump_records,
+    plot_reward_curve,
+)
+from areal_env.workflow.executor import RolloutExecutor
+from areal_env.workflow.resolve import resolve_workflow
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +69,10 @@ class PPOTrainer:
     ``with PPOTrainer(cfg, dataset) as t: t.train(workflow="my_agent.py:Agent")``. The dataset is
     a list of dicts, a JSONL path or a ``datasets.Dataset`` (default: ``cfg.train_dataset``).
 
-    ``executor``: an external batch source with ``RolloutExecutor``'s interface
-    (``rollout_batch(None, trainer_version=v)``, ``next_batch``, ``set_version``,
-    ``last_episodes``, ``aclose``); then no dataset or workflow is used and training runs to
-    ``trainer.total_train_steps`` (``None``: until the source is closed). ``engine``: an
-    initialized engine to generate with and push weights to; the caller keeps ownership.
+    ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
+    workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
+    source is closed). ``executor`` is its former name. ``engine``: an initialized engine to
+    generate with and push weights to; the caller keeps ownership.
     """
 
     def __init__(
@@ -67,37 +81,40 @@ class PPOTrainer:
         train_dataset: Any = None,
         valid_dataset: Any = None,
         *,
-        executor: Any = None,
-        engine: Any = None,
+        source: BatchSource | None = None,
+        engine: InferenceEngine | None = None,
+        executor: BatchSource | None = None,
     ) -> None:
         validate_config(config)
         self.config = config
-        self.external = executor is not None
+        source = source if source is not None else executor
+        self.external = source is not None
         self.data: DataLoader | None = None
         if not self.external:
             dataset = train_dataset if train_dataset is not None else config.train_dataset
             self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
         elif train_dataset is not None:
-            raise ValueError("pass either a train_dataset or an external executor, not both")
-        self.valid_items = None
+            raise ValueError("pass either a train_dataset or an external source, not both")
+        self.valid_items: list[dict[str, Any]] | None = None
         valid = valid_dataset if valid_dataset is not None else config.valid_dataset
         if valid is not None:
-            from areal_env.trainer.data import load_items
-
             self.valid_items = list(load_items(valid))
         self.run_dir = Path(config.run_dir)
         self.checkpoint_failures = 0
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.engine: Any = engine
+        self.engine: InferenceEngine | None = engine
         self._own_engine = engine is None
-        self.proxy: Any = None
-        self.actor: Any = None
+        self.proxy: ProxyServer | None = None
+        self.actor: PPOActor | None = None
         self.tokenizer: Any = None
-        self.executor: Any = executor
+        self.source: BatchSource | None = source
+        self.eval_executor: RolloutExecutor | None = None
         self.metrics: MetricsLogger | None = None
         self.step = 0
         self.version = 0
+        self.saved_step = 0
         self.last_metrics: dict[str, Any] = {}
+        self._data_state: dict[str, Any] | None = None
         self._closed = False
         self.dist = SINGLE
         self.last_push_bytes = 0
@@ -184,72 +201,15 @@ class PPOTrainer:
         workflow_kwargs: dict[str, Any] | None = None,
         eval_workflow: Any = None,
     ) -> dict[str, Any]:
-        """The training loop (async form of ``train``)."""
-        cfg = self.config
-        wf_spec = workflow if workflow is not None else cfg.workflow
-        if self.external:
-            if workflow is not None or eval_workflow is not None:
-                raise ValueError("an external executor brings its own batches: pass no workflow")
-        elif wf_spec is None:
-            raise ValueError(
-                "no workflow: pass train(workflow=...) or set `workflow` in the config"
-            )
-        wf_kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
-        self._seed_everything(cfg.seed)
+        """The training loop (async form of ``train``): one named step after another."""
+        self._seed_everything(self.config.seed)
         self._join_process_group()
         if not self.dist.is_main:
             # Rollout runs once, on rank 0; this rank only trains on the rows it is sent.
             return await asyncio.to_thread(self._follow)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
-        await asyncio.to_thread(self._setup_models)
-        restored = await asyncio.to_thread(self._maybe_recover)
-        if not restored and not self._own_engine:
-            # A passed-in engine may already have moved on; its tokens carry that version.
-            self.version = int(getattr(self.engine, "get_version", lambda: 0)() or 0)
-        self.metrics.truncate_after(self.step if restored else 0)
-        self._drop_stale_dumps(self.version - 1 if restored else -1)
-        if not self.external:
-            self._start_proxy()
-            from areal_env.workflow.executor import RolloutExecutor
-            from areal_env.workflow.resolve import resolve_workflow
-
-            wf = resolve_workflow(
-                wf_spec,
-                wf_kwargs,
-                rollout=cfg.rollout,
-                proxy_base_url=self.proxy.base_url,
-                admin_key=self.proxy.admin_key,
-            )
-            self.executor = RolloutExecutor(
-                self.engine,
-                wf,
-                cfg.rollout,
-                proxy_base_url=self.proxy.base_url,
-                admin_key=self.proxy.admin_key,
-                show_progress=cfg.trainer.progress,
-            )
-            await self._open_capacity_if_unmanaged()
-        self.executor.set_version(self.version)
-        eval_executor = None
-        if eval_workflow is not None and self.valid_items and not self.external:
-            ewf = resolve_workflow(
-                eval_workflow,
-                wf_kwargs,
-                rollout=cfg.rollout,
-                proxy_base_url=self.proxy.base_url,
-                admin_key=self.proxy.admin_key,
-            )
-            eval_executor = RolloutExecutor(
-                self.engine,
-                ewf,
-                cfg.rollout,
-                proxy_base_url=self.proxy.base_url,
-                admin_key=self.proxy.admin_key,
-                show_progress=False,
-            )
+        source = await self._setup(workflow, workflow_kwargs, eval_workflow)
         total = self.total_steps
-        progress = Progress(total, initial=self.step, enabled=cfg.trainer.progress)  # type: ignore[arg-type]
+        progress = Progress(total, initial=self.step, enabled=self.config.trainer.progress)  # type: ignore[arg-type]
         logger.info(
             "training %s steps (from step %d, version %d); run dir %s",
             total if total is not None else "unlimited",
@@ -257,114 +217,167 @@ class PPOTrainer:
             self.version,
             self.run_dir,
         )
-        prefetch = cfg.rollout.max_head_offpolicyness > 0
-        pending_items: list[dict[str, Any]] | None = None
-        saved_step = self.step
         try:
             while total is None or self.step < total:
                 t_step = time.perf_counter()
                 memory.reset_peak()
-                data_state: dict[str, Any] | None = None
-                if self.external:
-                    try:
-                        batch, rstats = await self._external_batch(prefetch)
-                    except Exception as e:
-                        if not _source_closed(e):
-                            raise
-                        logger.info(
-                            "the batch source was closed: training stops at step %d", self.step
-                        )
-                        if self.step > saved_step:  # keep what was trained
-                            await asyncio.to_thread(self._save_checkpoint)
-                        break
-                elif prefetch:
-                    if pending_items is None:
-                        pending_items = self.data.next_batch()
-                        for it in pending_items:
-                            self.executor.submit(it)
-                    data_state = self.data.state_dict()
-                    items = pending_items
-                    if self.step + 1 < total:  # the next batch rolls out while this one trains
-                        pending_items = self.data.next_batch()
-                        for it in pending_items:
-                            self.executor.submit(it)
-                    batch, rstats = await self.executor.next_batch(
-                        trainer_version=self.version, batch_size=len(items)
-                    )
-                else:
-                    items = self.data.next_batch()
-                    data_state = self.data.state_dict()
-                    batch, rstats = await self.executor.rollout_batch(
-                        items, trainer_version=self.version
-                    )
-                t_rollout = time.perf_counter() - t_step
-                records = list(getattr(self.executor, "last_episodes", []) or [])
-                dumped_version = self.version
-                metrics: dict[str, Any] = dict(rstats)
-                metrics["time/rollout_s"] = t_rollout
-                metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
-                if batch is None or int(batch["loss_mask"].sum()) == 0:
-                    logger.warning("step %d: every episode was rejected; update skipped", self.step)
-                    metrics["actor/update_skipped"] = 1.0
-                    metrics["empty_batch"] = 1.0
-                else:
-                    metrics["empty_batch"] = 0.0
-                    ustats = await asyncio.to_thread(self._update, batch)
-                    metrics.update(ustats)
-                    if not ustats.get("actor/update_skipped"):
-                        t0 = time.perf_counter()
-                        await asyncio.to_thread(self._push_weights, self.version + 1)
-                        metrics["time/weight_push_s"] = time.perf_counter() - t0
-                        self.version += 1
-                        self.executor.set_version(self.version)
-                if cfg.rollout.dump_to_file and records:
-                    self._dump(records, dumped_version, self.step + 1)
-                self.step += 1
-                # Position after this step; in prefetch mode the batch drawn ahead is not counted.
-                if data_state is not None:
-                    self._data_state = data_state
-                if (
-                    eval_executor is not None
-                    and cfg.trainer.eval_freq_steps
-                    and self.step % cfg.trainer.eval_freq_steps == 0
-                ):
-                    metrics.update(await self._evaluate(eval_executor))
-                step_s = time.perf_counter() - t_step
-                metrics["time/step_s"] = step_s
-                # the update resets the high-water mark for its own figure: take the max
-                metrics["mem/peak_rss_gb"] = max(
-                    metrics["mem/rollout_peak_rss_gb"],
-                    float(metrics.get("mem/update_peak_rss_gb", 0.0)),
-                    memory.peak_rss_gb(),
-                )
-                metrics["version"] = self.version
-                if data_state is not None:
-                    metrics["data/epoch"] = data_state["epoch"]
-                    metrics["data/batch_index"] = data_state["batch_index"]
-                if metrics.get("tokens/total"):
-                    metrics["perf/tokens_per_s"] = metrics["tokens/total"] / step_s
-                self.metrics.log(self.step, metrics)
-                self.last_metrics = {"step": self.step, **metrics}
-                progress.update(self.step, metrics)
-                plot_reward_curve(self.metrics.read(), self.run_dir / "reward_curve.png")
-                freq = cfg.trainer.save_freq_steps
-                if self.step == total or (freq and self.step % freq == 0):
-                    try:
+                fetched = await self._fetch_batch(source)
+                if fetched is None:  # the source was closed: keep what was trained
+                    if self.step > self.saved_step:
                         await asyncio.to_thread(self._save_checkpoint)
-                        saved_step = self.step
-                    except ckpt.CheckpointWriteError as e:
-                        if self.step == total:
-                            raise  # the run's last weights: never end as if they were saved
-                        # a full disk mid-run: the previous checkpoint stays the latest, and
-                        # losing one checkpoint is better than losing the run
-                        self.checkpoint_failures += 1
-                        logger.error("%s; training goes on and retries at the next save", e)
+                    break
+                batch, metrics = fetched
+                records, dumped_version = list(source.last_episodes), self.version
+                metrics.update(await self._update(batch))
+                if metrics.get("actor/updated"):
+                    metrics.update(await self._push_new_weights(source))
+                self._dump(records, dumped_version, self.step + 1)
+                self.step += 1
+                if isinstance(source, DatasetSource):
+                    self._data_state = source.data_state
+                metrics.update(await self.evaluate())
+                self._log(metrics, t_step, progress)
+                await self._checkpoint(total)
         finally:
             progress.close()
             self._command({"op": "stop"})
-            await self.executor.aclose()
-            if eval_executor is not None:
-                await eval_executor.aclose()
+            await source.aclose()
+            if self.eval_executor is not None:
+                await self.eval_executor.aclose()
+        return self._final_metrics()
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    async def _setup(
+        self, workflow: Any, workflow_kwargs: dict[str, Any] | None, eval_workflow: Any
+    ) -> BatchSource:
+        """Models, recovery, proxy and the batch source (built here unless passed in)."""
+        cfg = self.config
+        wf_spec = workflow if workflow is not None else cfg.workflow
+        if self.external:
+            if workflow is not None or eval_workflow is not None:
+                raise ValueError("an external source brings its own batches: pass no workflow")
+        elif wf_spec is None:
+            raise ValueError(
+                "no workflow: pass train(workflow=...) or set `workflow` in the config"
+            )
+        wf_kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
+        await asyncio.to_thread(self._setup_models)
+        restored = await asyncio.to_thread(self._maybe_recover)
+        if not restored and not self._own_engine:
+            # A passed-in engine may already have moved on; its tokens carry that version.
+            self.version = self._engine.get_version()
+        self.metrics.truncate_after(self.step if restored else 0)
+        self._drop_stale_dumps(self.version - 1 if restored else -1)
+        self.saved_step = self.step
+        if self.source is None:
+            self.source = await self._dataset_source(wf_spec, wf_kwargs)
+        if eval_workflow is not None and self.valid_items:
+            self.eval_executor = self._executor(eval_workflow, wf_kwargs, progress=False)
+        self.source.set_version(self.version)
+        return self.source
+
+    async def _fetch_batch(
+        self, source: BatchSource
+    ) -> tuple[TensorBatch | None, dict[str, Any]] | None:
+        """Step 1: the next batch and its rollout stats; ``None`` once the source is closed."""
+        t0 = time.perf_counter()
+        try:
+            batch, stats = await source.next_batch(
+                trainer_version=self.version, batch_size=self.config.rollout.batch_size
+            )
+        except SourceClosedError:
+            logger.info("the batch source was closed: training stops at step %d", self.step)
+            return None
+        metrics: dict[str, Any] = dict(stats)
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
+        return batch, metrics
+
+    async def _update(self, batch: TensorBatch | None) -> dict[str, Any]:
+        """Step 2: one PPO update (skipped when every episode was rejected)."""
+        if batch is None or int(batch["loss_mask"].sum()) == 0:
+            logger.warning("step %d: every episode was rejected; update skipped", self.step)
+            return {"actor/update_skipped": 1.0, "empty_batch": 1.0, "actor/updated": 0.0}
+        ustats = await asyncio.to_thread(self._update_all_ranks, batch)
+        return {
+            **ustats,
+            "empty_batch": 0.0,
+            "actor/updated": float(not ustats.get("actor/update_skipped")),
+        }
+
+    async def _push_new_weights(self, source: BatchSource) -> dict[str, float]:
+        """Step 3: the new weights to the engine; the version moves on everywhere."""
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._push_weights, self.version + 1)
+        self.version += 1
+        source.set_version(self.version)
+        return {"time/weight_push_s": time.perf_counter() - t0}
+
+    def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:
+        """Step 4: the step's trajectories into rollout/{version}/{task}.jsonl."""
+        if not (self.config.rollout.dump_to_file and records):
+            return
+        try:
+            dump_records(self.run_dir / "rollout", dump_lines(records, version, step))
+        except OSError as e:  # a full disk must not stop training
+            logger.warning("trajectory dump failed: %s", e)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Step 5: held-out evaluation every ``trainer.eval_freq_steps`` (``eval/*`` metrics)."""
+        freq = self.config.trainer.eval_freq_steps
+        if self.eval_executor is None or not freq or self.step % freq:
+            return {}
+        items = [
+            it
+            if any(it.get(k) is not None for k in ("id", "task_id", "query_id"))
+            else {**it, "task_id": f"valid-{i}"}
+            for i, it in enumerate(self.valid_items or [])
+        ]
+        _, stats = await self.eval_executor.rollout_batch(items, trainer_version=self.version)
+        return {f"eval/{k}": v for k, v in stats.items() if isinstance(v, int | float)}
+
+    def _log(self, metrics: dict[str, Any], t_step: float, progress: Progress) -> None:
+        """Step 6: metrics (JSONL, TensorBoard), progress line and reward plot."""
+        assert self.metrics is not None
+        step_s = time.perf_counter() - t_step
+        metrics["time/step_s"] = step_s
+        # the update resets the high-water mark for its own figure: take the max
+        metrics["mem/peak_rss_gb"] = max(
+            metrics["mem/rollout_peak_rss_gb"],
+            float(metrics.get("mem/update_peak_rss_gb", 0.0)),
+            memory.peak_rss_gb(),
+        )
+        metrics["version"] = self.version
+        if self._data_state is not None:
+            metrics["data/epoch"] = self._data_state["epoch"]
+            metrics["data/batch_index"] = self._data_state["batch_index"]
+        if metrics.get("tokens/total"):
+            metrics["perf/tokens_per_s"] = metrics["tokens/total"] / step_s
+        self.metrics.log(self.step, metrics)
+        self.last_metrics = {"step": self.step, **metrics}
+        progress.update(self.step, metrics)
+        plot_reward_curve(self.metrics.read(), self.run_dir / "reward_curve.png")
+
+    async def _checkpoint(self, total: int | None) -> None:
+        """Step 7: a checkpoint every ``trainer.save_freq_steps`` and at the last step."""
+        freq = self.config.trainer.save_freq_steps
+        if self.step == total or (freq and self.step % freq == 0):
+            try:
+                await asyncio.to_thread(self._save_checkpoint)
+                self.saved_step = self.step
+            except ckpt.CheckpointWriteError as e:
+                if self.step == total:
+                    raise  # the run's last weights: never end as if they were saved
+                # a full disk mid-run: the previous checkpoint stays the latest, and losing one
+                # checkpoint is better than losing the run
+                self.checkpoint_failures += 1
+                logger.error("%s; training goes on and retries at the next save", e)
+
+    def _final_metrics(self) -> dict[str, Any]:
+        assert self.metrics is not None
         records = self.metrics.read()
         plot = plot_reward_curve(records, self.run_dir / "reward_curve.png")
         final = dict(self.last_metrics)
@@ -386,13 +399,43 @@ class PPOTrainer:
 
     # -- pieces -----------------------------------------------------------------------------
 
-    async def _external_batch(self, prefetch: bool) -> tuple[Any, dict[str, Any]]:
-        """One batch from the external source (it picks its own data; no items are passed)."""
-        if prefetch and hasattr(self.executor, "next_batch"):
-            return await self.executor.next_batch(
-                trainer_version=self.version, batch_size=self.config.rollout.batch_size
-            )
-        return await self.executor.rollout_batch(None, trainer_version=self.version)
+    @property
+    def _engine(self) -> InferenceEngine:
+        if self.engine is None:
+            raise RuntimeError("the trainer has no engine (closed, or not set up)")
+        return self.engine
+
+    @property
+    def _actor(self) -> PPOActor:
+        if self.actor is None:
+            raise RuntimeError("the trainer has no actor (not set up)")
+        return self.actor
+
+    def _executor(self, spec: Any, kwargs: dict[str, Any], *, progress: bool) -> RolloutExecutor:
+        """A ``RolloutExecutor`` running workflow ``spec`` through this trainer's proxy."""
+        assert self.proxy is not None
+        proxy = {"proxy_base_url": self.proxy.base_url, "admin_key": self.proxy.admin_key}
+        wf = resolve_workflow(spec, kwargs, rollout=self.config.rollout, **proxy)
+        return RolloutExecutor(
+            self._engine, wf, self.config.rollout, show_progress=progress, **proxy
+        )
+
+    async def _dataset_source(self, spec: Any, kwargs: dict[str, Any]) -> DatasetSource:
+        """The default source: dataset items rolled out through the trainer's own proxy."""
+        assert self.data is not None
+        self._start_proxy()
+        executor = self._executor(spec, kwargs, progress=self.config.trainer.progress)
+        if not executor.uses_proxy:
+            # A workflow the executor does not grant sessions for still gets to use the proxy.
+            assert self.proxy is not None
+            await grant_capacity(self.proxy.base_url, self.proxy.admin_key, 1 << 30)
+        total = self.total_steps
+        return DatasetSource(
+            self.data,
+            executor,
+            prefetch=self.config.rollout.max_head_offpolicyness > 0,
+            batches=None if total is None else total - self.step,
+        )
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -420,7 +463,7 @@ class PPOTrainer:
         if self.dist.distributed and self.dist.is_main:
             broadcast_object(cmd, self.dist)
 
-    def _update(self, batch: dict[str, Any]) -> dict[str, float]:
+    def _update_all_ranks(self, batch: dict[str, Any]) -> dict[str, float]:
         """The PPO update; every rank gets the batch and trains on its token-balanced share."""
         self._command({"op": "update", "batch": batch, "step": self.step})
         return self.actor.update(batch, step=self.step)
@@ -459,9 +502,6 @@ class PPOTrainer:
         """Engine (its own model copy) + the trainer's actor. Ranks other than 0 build only
         their shard of the actor: they neither generate nor serve."""
         cfg = self.config
-        from areal_env.engine.models import resolve_model_path
-        from areal_env.trainer.actor import PPOActor
-
         model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
         if not self.dist.is_main:
             from transformers import AutoTokenizer
@@ -472,27 +512,15 @@ class PPOTrainer:
             )
             return
         if self.engine is None:
-            if importlib.util.find_spec("areal_env.engine.factory") is not None:
-                from areal_env.engine.factory import create_engine
-
-                engine_cfg = cfg
-                if cfg.model.path != model_path:
-                    engine_cfg = dataclasses.replace(
-                        cfg, model=dataclasses.replace(cfg.model, path=model_path)
-                    )
-                self.engine = create_engine(engine_cfg)
-            else:  # pragma: no cover - the factory ships with the engine package
-                from areal_env.engine.local import LocalEngine
-
-                self.engine = LocalEngine.from_config(
-                    dataclasses.replace(cfg.model, path=model_path), cfg.engine
+            engine_cfg = cfg
+            if cfg.model.path != model_path:
+                engine_cfg = dataclasses.replace(
+                    cfg, model=dataclasses.replace(cfg.model, path=model_path)
                 )
+            self.engine = create_engine(engine_cfg)
             self.engine.initialize()
-        self.tokenizer = getattr(self.engine, "tokenizer", None)
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # Engines behind HTTP (SGLang) tokenize on their servers: load our own then.
+        self.tokenizer = self.engine.tokenizer or AutoTokenizer.from_pretrained(model_path)
         self.actor = PPOActor(
             model_path,
             cfg.actor,
@@ -508,14 +536,13 @@ class PPOTrainer:
         found = ckpt.latest_checkpoint(self.ckpt_root)
         if found is None:
             return False
-        state = ckpt.restore_checkpoint(
-            found, model=self.actor.model, optimizer=self.actor.optimizer
-        )
+        actor = self._actor
+        state = ckpt.restore_checkpoint(found, model=actor.model, optimizer=actor.optimizer)
         self.step = int(state["step"])
         self.version = int(state.get("version", self.step))
         if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
-        self.actor.update_count = int(state.get("update_count", self.step))
+        actor.update_count = int(state.get("update_count", self.step))
         if self.version > 0 and self.dist.is_main:
             self._push_weights(self.version)
         position = (
@@ -539,22 +566,12 @@ class PPOTrainer:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _start_proxy(self) -> None:
-        from areal_env.proxy.server import ProxyServer
-
         pcfg = self.config.proxy
         if pcfg.initial_capacity is None:
             # Sessions start only when the executor grants them (its staleness control).
             pcfg = dataclasses.replace(pcfg, initial_capacity=0)
-        self.proxy = ProxyServer(self.engine, self.tokenizer, pcfg).start()
+        self.proxy = ProxyServer(self._engine, self.tokenizer, pcfg).start()
         logger.info("proxy listening at %s", self.proxy.base_url)
-
-    async def _open_capacity_if_unmanaged(self) -> None:
-        """A workflow the executor does not grant sessions for still gets to use the proxy."""
-        if getattr(self.executor, "uses_proxy", True):
-            return
-        from areal_env.proxy.client import grant_capacity
-
-        await grant_capacity(self.proxy.base_url, self.proxy.admin_key, 1 << 30)
 
     def _push_weights(self, new_version: int) -> None:
         """Gather the weights once and load them on every inference server.
@@ -562,7 +579,7 @@ class PPOTrainer:
         In-process engines take the state dict; server engines load one HF folder written once
         under ``run_dir/weights/v{N}`` (with LoRA only the adapter when the engine takes
         adapters). A server that fails to load is reported by address and the step fails."""
-        engine = self.engine
+        engine = self._engine
         lora = self.config.actor.lora is not None and getattr(engine, "supports_lora", False)
         in_process = getattr(engine, "supports_state_dict_update", False)
         what = "full" if in_process else ("adapter" if lora else "hf")
@@ -622,115 +639,26 @@ class PPOTrainer:
 
     def _save_checkpoint(self) -> Path:
         self._command({"op": "save", "step": self.step})
-        data_state = getattr(self, "_data_state", None)
+        actor = self._actor
+        data_state = self._data_state
         if data_state is None and self.data is not None:
             data_state = self.data.state_dict()
         state = {
             "version": self.version,
             "epoch": data_state["epoch"] if data_state else 0,
             "data": data_state,
-            "update_count": self.actor.update_count,
+            "update_count": actor.update_count,
             "experiment_name": self.config.experiment_name,
             "trial_name": self.config.trial_name,
-            "model_path": self.actor.model_path,
+            "model_path": actor.model_path,
         }
         return ckpt.save_checkpoint(
             self.ckpt_root,
             self.step,
-            model=self.actor.model,
+            model=actor.model,
             tokenizer=self.tokenizer,
-            optimizer=self.actor.optimizer,
+            optimizer=actor.optimizer,
             trainer_state=state,
             keep_last=self.config.trainer.keep_checkpoints,
             export_hf=self.actor.export_hf,
         )
-
-    def _dump(self, records: list[dict[str, Any]], version: int, step: int) -> None:
-        """One line per completion (or per rejected episode) into rollout/{version}/{task}.jsonl;
-        with an external source, one line per finished session (its completions nested)."""
-        lines: list[dict[str, Any]] = []
-        if self.external:
-            lines = [_external_dump_line(rec, version, step) for rec in records]
-            records = []
-        for rec in records:
-            task = rec.get("task_id")
-            if task is None:  # the data loader gives every item an id; a workflow may not keep it
-                task = "unknown"
-            base = {
-                "task_id": task,
-                "version": rec.get("trainer_version", version),
-                "step": step,
-                "group_id": rec.get("group_id"),
-                "traj_index": rec.get("traj_index"),
-                "session_id": rec.get("session_id"),
-                "accepted": rec.get("accepted"),
-                "reason": rec.get("reason"),
-                "episode_reward": rec.get("reward"),
-            }
-            interactions = rec.get("interactions") or []
-            if not interactions:
-                lines.append({**base, "error": rec.get("error")})
-                continue
-            for it in interactions:
-                lines.append(
-                    {
-                        **base,
-                        "interaction_id": it.get("id"),
-                        "parent_id": it.get("parent_id"),
-                        "prompt": it.get("prompt_text"),
-                        "completion": it.get("completion_text"),
-                        "reward": it.get("reward"),
-                        "stop_reason": it.get("stop_reason"),
-                        "prompt_len": it.get("num_prompt_tokens"),
-                        "completion_len": it.get("num_output_tokens"),
-                        "versions": it.get("versions"),
-                    }
-                )
-        try:
-            dump_records(self.run_dir / "rollout", lines)
-        except OSError as e:  # a full disk must not stop training
-            logger.warning("trajectory dump failed: %s", e)
-
-    async def _evaluate(self, executor: Any) -> dict[str, float]:
-        items = [
-            it
-            if any(it.get(k) is not None for k in ("id", "task_id", "query_id"))
-            else {**it, "task_id": f"valid-{i}"}
-            for i, it in enumerate(self.valid_items or [])
-        ]
-        _, stats = await executor.rollout_batch(items, trainer_version=self.version)
-        return {f"eval/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
-
-
-_EXTERNAL_DUMP_KEYS = (
-    "session_id",
-    "group_id",
-    "group_key",
-    "task_id",
-    "user",
-    "status",
-    "final_reward",
-    "metadata",
-    "interactions",
-    "stats",
-)
-
-
-def _external_dump_line(rec: dict[str, Any], version: int, step: int) -> dict[str, Any]:
-    """A finished external session for the dump: its metadata and completions (the token rows
-    are left out: they are training data, not something to read)."""
-    line = {k: rec.get(k) for k in _EXTERNAL_DUMP_KEYS}
-    line["task_id"] = rec.get("task_id") or rec.get("group_key") or "external"
-    line["interactions"] = rec.get("interactions") or []
-    line["version"] = version
-    line["step"] = step
-    return line
-
-
-def _source_closed(exc: BaseException) -> bool:
-    """Whether ``exc`` says the external batch source was closed (a normal way to stop)."""
-    try:
-        from areal_env.service.source import SourceClosedError
-    except ImportError:  # pragma: no cover - the service package ships with the trainer
-        return False
-    return isinstance(exc, SourceClosedError)

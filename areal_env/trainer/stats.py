@@ -170,3 +170,64 @@ def _safe_name(name: str) -> str:
     # control characters too: a NUL in a task id made the whole dump raise
     out = "".join("_" if c in bad or ord(c) < 32 else c for c in name).strip(".")
     return out[:128] or "unknown"
+
+
+_EXTERNAL_DUMP_KEYS = (
+    "session_id",
+    "group_id",
+    "group_key",
+    "task_id",
+    "user",
+    "status",
+    "final_reward",
+    "metadata",
+    "interactions",
+    "stats",
+)
+
+
+def dump_lines(records: list[dict[str, Any]], version: int, step: int) -> list[dict[str, Any]]:
+    """Episode records → dump lines: one per completion (or per rejected episode) of a
+    workflow episode; one per finished session from an external source (records carrying a
+    ``group_key``), its completions nested and its token rows left out (training data, not
+    something to read)."""
+    lines: list[dict[str, Any]] = []
+    for rec in records:
+        if "group_key" in rec:
+            line = {k: rec.get(k) for k in _EXTERNAL_DUMP_KEYS}
+            line["task_id"] = rec.get("task_id") or rec.get("group_key") or "external"
+            line["interactions"] = rec.get("interactions") or []
+            lines.append({**line, "version": version, "step": step})
+            continue
+        task = rec.get("task_id")
+        base = {
+            # the data loader gives every item an id; a workflow may not keep it
+            "task_id": "unknown" if task is None else task,
+            "version": rec.get("trainer_version", version),
+            "step": step,
+            "group_id": rec.get("group_id"),
+            "traj_index": rec.get("traj_index"),
+            "session_id": rec.get("session_id"),
+            "accepted": rec.get("accepted"),
+            "reason": rec.get("reason"),
+            "episode_reward": rec.get("reward"),
+        }
+        interactions = rec.get("interactions") or []
+        if not interactions:
+            lines.append({**base, "error": rec.get("error")})
+        for it in interactions:
+            lines.append(
+                {
+                    **base,
+                    "interaction_id": it.get("id"),
+                    "parent_id": it.get("parent_id"),
+                    "prompt": it.get("prompt_text"),
+                    "completion": it.get("completion_text"),
+                    "reward": it.get("reward"),
+                    "stop_reason": it.get("stop_reason"),
+                    "prompt_len": it.get("num_prompt_tokens"),
+                    "completion_len": it.get("num_output_tokens"),
+                    "versions": it.get("versions"),
+                }
+            )
+    return lines

@@ -12,15 +12,16 @@ from typing import Any
 
 _EXPORTS = {
     "resolve_workflow": "areal_env.workflow.resolve",
-    "import_string": "areal_env.workflow.resolve",
+    "import_string": "areal_env.api.imports",
     "OpenAIProxyWorkflow": "areal_env.workflow.proxy_workflow",
     "EpisodeRecord": "areal_env.workflow.proxy_workflow",
     "episode_sink": "areal_env.workflow.proxy_workflow",
     "validate_reward": "areal_env.workflow.proxy_workflow",
     "GroupedRolloutWorkflow": "areal_env.workflow.grouped",
     "RolloutExecutor": "areal_env.workflow.executor",
-    "concat_tensor_dicts": "areal_env.workflow.batch",
-    "rows_to_tensor_dict": "areal_env.workflow.batch",
+    "collate": "areal_env.workflow.batch",
+    "number_groups": "areal_env.workflow.batch",
+    "TrainingRow": "areal_env.api.rows",
     "SubprocAgentPool": "areal_env.workflow.subproc",
 }
 

@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 from areal_env.api.config import RolloutConfig
+from areal_env.api.engine import InferenceEngine
+from areal_env.api.rows import TrainingRow
 from areal_env.api.workflow import RolloutWorkflow
-from areal_env.workflow.batch import concat_tensor_dicts, trajectory_rewards
+from areal_env.workflow.batch import collate, number_groups, trajectory_rewards
 from areal_env.workflow.grouped import run_member
 from areal_env.workflow.proxy_workflow import EpisodeRecord
 
@@ -49,7 +51,7 @@ class GroupResult:
     """One item's outcome: its rows (None = rejected) and the records of its episodes."""
 
     item: Any
-    out: dict[str, torch.Tensor] | None
+    out: list[TrainingRow] | None
     records: list[EpisodeRecord] = field(default_factory=list)
     start_version: int | None = None
     trainer_version: int = 0
@@ -65,7 +67,7 @@ class RolloutExecutor:
 
     def __init__(
         self,
-        engine: Any,
+        engine: InferenceEngine | None,
         workflow: RolloutWorkflow,
         rollout: RolloutConfig,
         *,
@@ -79,8 +81,8 @@ class RolloutExecutor:
         self.proxy_base_url = proxy_base_url.rstrip("/") if proxy_base_url else None
         self.admin_key = admin_key
         self.show_progress = show_progress
-        self.group_size = int(getattr(workflow, "n_samples", 1))
-        self.sessions_per_group = int(getattr(workflow, "sessions_per_episode", 0))
+        self.group_size = int(workflow.n_samples)
+        self.sessions_per_group = int(workflow.sessions_per_episode)
         self.uses_proxy = bool(self.proxy_base_url and self.admin_key and self.sessions_per_group)
         self.max_running_groups = max(1, rollout.max_concurrent_rollouts // max(1, self.group_size))
         self._version = self._engine_version() or 0
@@ -112,11 +114,10 @@ class RolloutExecutor:
         return self._version
 
     def _engine_version(self) -> int | None:
-        get = getattr(self.engine, "get_version", None)
-        if get is None:
+        if self.engine is None:
             return None
         try:
-            return int(get())
+            return int(self.engine.get_version())
         except Exception:
             return None
 
@@ -138,7 +139,7 @@ class RolloutExecutor:
     # -- one group -----------------------------------------------------------------------------
 
     async def _grant(self) -> None:
-        if not self.uses_proxy:
+        if not self.uses_proxy or self.proxy_base_url is None or self.admin_key is None:
             return
         from areal_env.proxy.client import grant_capacity
 
@@ -160,9 +161,6 @@ class RolloutExecutor:
         t0 = time.monotonic()
         start_version = self._engine_version()
         out, records = await run_member(self.workflow, self.engine, item, None)
-        if out is not None and "traj_ids" not in out:
-            out = dict(out)
-            out["traj_ids"] = torch.zeros(out["input_ids"].shape[0], dtype=torch.int64)
         for r in records:
             if r.start_version is None:
                 r.start_version = start_version
@@ -347,27 +345,19 @@ class RolloutExecutor:
     def _assemble(
         self, groups: list[GroupResult], trainer_version: int, wall_time: float
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        parts: list[dict[str, torch.Tensor]] = []
+        accepted: list[list[TrainingRow]] = []
         episodes: list[dict[str, Any]] = []
-        traj_offset = 0
         for g in groups:
-            group_index = len(parts) if g.out is not None else -1
+            group_index = len(accepted) if g.out is not None else -1
             for r in g.records:
                 d = r.to_dict()
                 d["group_index"] = group_index
                 d["trainer_version"] = trainer_version
                 episodes.append(d)
-            if g.out is None:
-                continue
-            td = dict(g.out)
-            local = td["traj_ids"]
-            uniq, inverse = torch.unique(local, return_inverse=True)
-            td["traj_ids"] = inverse.to(torch.int64) + traj_offset
-            traj_offset += int(uniq.numel())
-            td["group_ids"] = torch.full_like(td["traj_ids"], len(parts))
-            parts.append(td)
+            if g.out is not None:
+                accepted.append(g.out)
         self.last_episodes = episodes
-        batch = concat_tensor_dicts(parts) if parts else None
+        batch = collate(number_groups(accepted)) if accepted else None
         records = [r for g in groups for r in g.records]
         stats = compute_stats(batch, records, groups, trainer_version, wall_time)
         return batch, stats
@@ -387,9 +377,7 @@ class RolloutExecutor:
             client, self._grant_client = self._grant_client, None
             with contextlib.suppress(Exception):
                 await client.aclose()
-        close = getattr(self.workflow, "aclose", None)
-        if close is not None:
-            await close()
+        await self.workflow.aclose()
 
 
 def compute_stats(
@@ -454,7 +442,7 @@ def compute_stats(
     stats["tokens/total"] = float(batch["attention_mask"].sum())
     if wall_time > 0:
         stats["tokens/output_per_s"] = stats["tokens/output"] / wall_time
-    for k, v in list(stats.items()):
-        if isinstance(v, float) and not math.isfinite(v):
+    for k in list(stats):
+        if not math.isfinite(stats[k]):
             stats[k] = 0.0
     return stats

@@ -2,8 +2,8 @@
 
 GRPO normalises rewards within a group, so the members must stay together. Members that are
 rejected are dropped; the group is rejected (``None``) only when every member is. Rows come back
-tagged with ``traj_ids`` (the member's index in the group, shared by all rows of one trajectory)
-and ``group_ids`` (0 here; the executor renumbers both across a batch).
+with ``traj_id`` = the member's index in the group (shared by all rows of one trajectory); the
+executor numbers groups and trajectories for the whole batch once (``batch.number_groups``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import traceback
 import uuid
 from typing import Any
 
+from areal_env.api.engine import InferenceEngine
+from areal_env.api.rows import TrainingRow
 from areal_env.api.workflow import RolloutWorkflow
-from areal_env.workflow.batch import concat_tensor_dicts, tag_rows
+from areal_env.workflow.batch import episode_rows
 from areal_env.workflow.proxy_workflow import (
     EpisodeRecord,
     current_group_id,
@@ -26,55 +28,16 @@ from areal_env.workflow.proxy_workflow import (
 )
 
 
-def normalize_episode_output(out: Any) -> dict[str, Any] | None:
-    """Bring what a workflow returned into tensor-dict form (or None = rejected).
-
-    Accepts a tensor dict, export rows ``{row_id: {"input_ids": [...], ...}}`` or
-    ``{interaction_id: Interaction}`` (rows built per interaction, reward as recorded).
-    """
-    import torch
-
-    from areal_env.workflow.batch import rows_to_tensor_dict, tensor_only
-
-    if out is None:
-        return None
-    if not isinstance(out, dict):
-        raise TypeError(
-            f"a workflow returned {type(out).__name__}; expected a tensor dict, export rows, "
-            "{id: Interaction} or None"
-        )
-    if not out:
-        return None
-    if isinstance(out.get("input_ids"), torch.Tensor):
-        td = tensor_only(out)
-        return td if td["input_ids"].shape[0] > 0 else None
-    values = list(out.values())
-    if all(isinstance(v, dict) and "input_ids" in v for v in values):
-        return rows_to_tensor_dict(values)
-    if all(hasattr(v, "prompt_ids") and hasattr(v, "output_ids") for v in values):
-        rows = []
-        for it in values:
-            p, o = list(it.prompt_ids), list(it.output_ids)
-            rows.append(
-                {
-                    "input_ids": p + o,
-                    "loss_mask": [0] * len(p) + [1] * len(o),
-                    "logprobs": [0.0] * len(p) + list(it.output_logprobs),
-                    "versions": [-1] * len(p) + list(it.output_versions),
-                    "reward": it.reward if it.reward is not None else 0.0,
-                }
-            )
-        return rows_to_tensor_dict(rows)
-    raise TypeError("a workflow returned a dict that is neither a tensor dict nor export rows")
-
-
 async def run_member(
-    workflow: RolloutWorkflow, engine: Any, data: dict[str, Any], traj_index: int | None
-) -> tuple[dict[str, Any] | None, list[EpisodeRecord]]:
+    workflow: RolloutWorkflow,
+    engine: InferenceEngine | None,
+    data: dict[str, Any],
+    traj_index: int | None,
+) -> tuple[list[TrainingRow] | None, list[EpisodeRecord]]:
     """Run one episode in its own record sink; always yields at least one record, never raises."""
     with episode_sink() as sink:
         try:
-            out = normalize_episode_output(await workflow.arun_episode(engine, data))
+            out = episode_rows(await workflow.arun_episode(engine, data))
             error = None
         except asyncio.CancelledError:
             raise
@@ -96,8 +59,8 @@ async def run_member(
             )
         ]
         if out is not None:
-            records[0].n_rows = int(out["input_ids"].shape[0])
-            records[0].output_tokens = int(out["loss_mask"].sum())
+            records[0].n_rows = len(out)
+            records[0].output_tokens = sum(r.num_trained for r in out)
     if traj_index is not None:
         for r in records:
             r.traj_index = traj_index
@@ -112,18 +75,15 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
             raise ValueError(f"n_samples={n_samples} must be >= 1")
         self.inner = inner
         self.n_samples = n_samples
-
-    @property
-    def sessions_per_episode(self) -> int:
-        """Proxy sessions one group opens (the executor grants this much capacity per group)."""
-        return self.n_samples * int(getattr(self.inner, "sessions_per_episode", 0))
+        # Proxy sessions one group opens (the executor grants this much capacity per group).
+        self.sessions_per_episode = n_samples * inner.sessions_per_episode
 
     async def aclose(self) -> None:
-        close = getattr(self.inner, "aclose", None)
-        if close is not None:
-            await close()
+        await self.inner.aclose()
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine | None, data: dict[str, Any]
+    ) -> list[TrainingRow] | None:
         token = current_group_id.set(uuid.uuid4().hex[:16])
         try:
             results = await asyncio.gather(
@@ -131,15 +91,14 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
             )
         finally:
             current_group_id.reset(token)
-        parts = []
+        rows: list[TrainingRow] = []
         for i, (out, records) in enumerate(results):
             for r in records:
                 record_episode(r)
-            if out is not None:
-                parts.append(tag_rows(out, group_id=0, traj_id=i))
-        if not parts:
-            return None
-        return concat_tensor_dicts(parts)
+            for row in out or ():
+                row.traj_id = i  # the member: one trajectory per member in this group
+                rows.append(row)
+        return rows or None
 
 
 def _copy(data: Any) -> Any:

@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 
 from areal_env.api.config import RolloutConfig
+from areal_env.api.engine import InferenceEngine
+from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.workflow import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
@@ -306,7 +308,9 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             self.agent.run(data, **extra), timeout=self.rollout.episode_timeout
         )
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine | None, data: dict[str, Any]
+    ) -> list[TrainingRow] | None:
         rec = EpisodeRecord(task_id=task_id_of(data), group_id=current_group_id.get())
         if engine is not None and hasattr(engine, "get_version"):
             with contextlib.suppress(Exception):
@@ -326,7 +330,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         record_episode(rec)
         return result
 
-    async def _episode(self, data: dict[str, Any], rec: EpisodeRecord) -> dict[str, Any] | None:
+    async def _episode(self, data: dict[str, Any], rec: EpisodeRecord) -> list[TrainingRow] | None:
         from areal_env.proxy.client import OpenAIProxyClient
 
         async with OpenAIProxyClient(
@@ -361,7 +365,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             try:
                 if isinstance(reward, dict):
                     for cid, r in reward.items():
-                        await session.set_reward(r, interaction_id=cid)
+                        await session.set_reward(r, completion_id=cid)
                 else:
                     await session.set_reward(reward)
             except Exception as e:
@@ -377,22 +381,18 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             exported = await session.export(
                 discount=self.rollout.discount, style=self.rollout.export_style
             )
-        return self._to_tensors(exported, rec)
+        return self._to_rows(exported, rec)
 
-    def _to_tensors(self, exported: dict[str, Any], rec: EpisodeRecord) -> dict[str, Any] | None:
-        from areal_env.proxy.cache import to_tensor_dict
-
-        rows = exported.get("trajectories") or {}
+    def _to_rows(self, exported: dict[str, Any], rec: EpisodeRecord) -> list[TrainingRow] | None:
         rec.interactions = list(exported.get("interactions") or [])
         rec.export_stats = dict(exported.get("stats") or {})
+        rows = rows_from_export(exported.get("trajectories") or {})
         if not rows:
             self._reject(rec, "no_completions", "the agent made no model calls")
             return None
-        td = to_tensor_dict(rows)
-        versions = td["versions"][td["versions"] >= 0]
-        rec.n_rows = int(td["input_ids"].shape[0])
-        rec.output_tokens = int(td["loss_mask"].sum())
-        if versions.numel():
-            rec.min_version = int(versions.min())
-            rec.max_version = int(versions.max())
-        return td
+        versions = [v for r in rows for v in r.generated_versions()]
+        rec.n_rows = len(rows)
+        rec.output_tokens = sum(r.num_trained for r in rows)
+        if versions:
+            rec.min_version, rec.max_version = min(versions), max(versions)
+        return rows

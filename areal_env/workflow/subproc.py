@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_env.api.imports import FILE_MODULES, import_string, load_file_module
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,8 +57,6 @@ class AgentSpec:
     def from_agent(
         cls, agent: Any, import_string: str | None = None, kwargs: dict[str, Any] | None = None
     ) -> AgentSpec:
-        from areal_env.workflow.resolve import FILE_MODULES
-
         files = dict(FILE_MODULES)
         if import_string is not None:
             return cls(uuid.uuid4().hex, import_string, dict(kwargs or {}), None, files)
@@ -76,15 +76,11 @@ class AgentSpec:
 
 
 def _build_agent(spec: AgentSpec) -> Any:
-    from areal_env.workflow.resolve import load_file_module
-
     for name, path in spec.file_modules.items():
         if name not in sys.modules:
             with contextlib.suppress(Exception):
                 load_file_module(path)
     if spec.import_string is not None:
-        from areal_env.workflow.resolve import import_string
-
         obj = import_string(spec.import_string)
         return obj(**spec.kwargs) if isinstance(obj, type) else obj
     return pickle.loads(spec.pickled)  # type: ignore[arg-type]
@@ -275,7 +271,12 @@ class SubprocAgentPool:
         await asyncio.to_thread(w.conn.send, (kind, self.spec, data, env, extra))
         ready = loop.create_future()
         fd = w.conn.fileno()
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, wake)
         try:
             await ready
         finally:

@@ -60,7 +60,7 @@ async def test_tool_error_policies(policy, proxy_server, engine, aenv_server_fac
     result = await wf.arun_episode(engine, dict(ITEM))
     assert await _fail_count(cfg) == 1  # the tool really ran (once: tool errors are not retried)
     if policy == "append_error":
-        assert result is not None and float(result["rewards"][0]) == 0.5
+        assert result is not None and result[0].reward == 0.5
         (calls,) = seen
         assert calls[0]["name"] == "fail" and calls[0]["is_error"]
         assert calls[0]["result"].startswith("Error:")

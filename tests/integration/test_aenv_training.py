@@ -5,6 +5,7 @@ Each test runs one PPO step on the embedded default model with a tiny batch.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,24 @@ def _train(cfg, items, workflow, workflow_kwargs=None):
         return trainer, metrics
 
 
+ENV_REWARDS = {0.0, 0.1, 0.5, 1.0}  # the grades examples/aenv/env_tools.py:reward gives
+
+
+def _assert_trained(trainer, metrics, *, min_accepted=1):
+    """A real step: episodes accepted, an update ran and was pushed, rewards from the env."""
+    assert trainer.step == 1
+    assert metrics["episodes/accepted"] >= min_accepted, metrics
+    assert metrics["empty_batch"] == 0.0 and trainer.version == 1, metrics
+    lines = [
+        json.loads(line)
+        for f in sorted(Path(metrics["dump_dir"]).rglob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    rewards = {line["episode_reward"] for line in lines if line["accepted"]}
+    assert rewards and rewards <= ENV_REWARDS, rewards
+    return lines
+
+
 def _agent_kwargs(url: str) -> dict:
     return {
         "aenv_config": {"env_name": "calculator@1.0.0", "aenv_url": url, "retry_delay": 0.1},
@@ -64,8 +83,7 @@ def _agent_kwargs(url: str) -> dict:
 def test_train_step_aenv_agent_from_import_string(tmp_path, model_path, aenv_server):
     cfg = _config(tmp_path, model_path)
     trainer, metrics = _train(cfg, ITEMS[:1], "areal_env.AenvAgent", _agent_kwargs(aenv_server.url))
-    assert trainer.step == 1
-    assert any("reward" in k for k in metrics), metrics
+    _assert_trained(trainer, metrics)
 
 
 def test_train_step_agents_sdk_runner(tmp_path, model_path, aenv_server):
@@ -74,8 +92,7 @@ def test_train_step_agents_sdk_runner(tmp_path, model_path, aenv_server):
     trainer, metrics = _train(
         cfg, ITEMS[:1], str(ROOT / "agents" / "openai_agents_runner.py") + ":RunnerAgent", kwargs
     )
-    assert trainer.step == 1
-    assert any("reward" in k for k in metrics), metrics
+    _assert_trained(trainer, metrics)
 
 
 class _KillingAgent(AenvAgent):
@@ -112,6 +129,6 @@ def test_server_killed_mid_episode_is_rejected_training_goes_on(
     cfg = _config(tmp_path, model_path, batch_size=2, n_samples=2)
     trainer, metrics = _train(cfg, items, agent)
     assert agent.killed_episodes == 2
-    assert trainer.step == 1  # the healthy group trained
+    _assert_trained(trainer, metrics)  # the healthy group trained
     rejected = [v for k, v in metrics.items() if "reject" in k and isinstance(v, (int, float))]
     assert rejected and max(rejected) >= 2, metrics

@@ -11,12 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_env.api.rows import rows_from_export
 from areal_env.proxy.cache import (
     Interaction,
     InteractionCache,
     SessionLimitError,
-    to_tensor_dict,
 )
+from areal_env.workflow.batch import collate
 
 GLUE = [7]
 _counter = itertools.count()
@@ -331,12 +332,12 @@ def test_tree_export_properties(tree):
         assert [row["versions"][k] for k in masked] == expected_v
         unmasked = [k for k, m in enumerate(row["loss_mask"]) if not m]
         assert all(row["versions"][k] == -1 and row["logprobs"][k] == 0.0 for k in unmasked)
-    batch = to_tensor_dict(concat)
+    batch = collate(rows_from_export(concat))
     assert batch["input_ids"].shape[0] == len(leaves)
     assert int(batch["loss_mask"].sum()) == sum(sum(r["loss_mask"]) for r in concat.values())
 
 
-def test_to_tensor_dict_dtypes_and_padding():
+def test_collate_dtypes_and_padding():
     rows = {
         "a": {
             "input_ids": [5, 6, 7],
@@ -353,7 +354,7 @@ def test_to_tensor_dict_dtypes_and_padding():
             "reward": -1,
         },
     }
-    t = to_tensor_dict(rows)
+    t = collate(rows_from_export(rows))
     assert t["input_ids"].dtype == torch.int64 and t["input_ids"].shape == (2, 3)
     assert t["attention_mask"].dtype == torch.bool
     assert t["loss_mask"].dtype == torch.int32 and t["versions"].dtype == torch.int32
@@ -362,9 +363,9 @@ def test_to_tensor_dict_dtypes_and_padding():
     assert t["versions"].tolist() == [[-1, 3, 3], [2, -1, -1]]
     assert t["rewards"].tolist() == [1.0, -1.0]
     with pytest.raises(ValueError):
-        to_tensor_dict({})
-    with pytest.raises(ValueError, match="lengths differ"):
-        to_tensor_dict({"x": {**rows["a"], "loss_mask": [1]}})
+        collate(rows_from_export({}))
+    with pytest.raises(ValueError, match="loss_mask has 1 entries"):
+        rows_from_export({"x": {**rows["a"], "loss_mask": [1]}})
 
 
 # ---- concurrency -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest
-from areal_env.engine.sglang import SGLangEngine, sampling_params_from_gconfig, stream_skip
+from areal_env.engine.sglang import SGLangEngine
+from areal_env.engine.sglang_wire import sampling_params_from_gconfig, stream_skip
 from tests.fixtures.sglang import launch_serve
 
 
@@ -271,7 +272,7 @@ async def test_dead_server_reported_by_address(sglang_servers, model_path, token
     extra = launch_serve(model_path, 1, tmp_path)
     victim = extra.addresses[0]
     survivor = sglang_servers.addresses[0]
-    eng = SGLangEngine([survivor, victim], max_retries=3, retry_backoff=0.05, down_cooldown=60)
+    eng = SGLangEngine([survivor, victim], max_retries=2, retry_backoff=0.05, down_cooldown=60)
     eng.initialize()
     try:
         ids = prompt(tokenizer, "Write a poem.")

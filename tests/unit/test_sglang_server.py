@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from areal_env.engine.server import BadRequest, gconfig_from_sampling_params
+from areal_env.engine.sglang_wire import BadRequest, gconfig_from_sampling_params
 
 
 @pytest.fixture(scope="module")

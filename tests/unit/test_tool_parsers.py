@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_env.proxy.tool_json import normalize_arguments
 from areal_env.proxy.tool_parsers import (
     available_tool_parsers,
     detect_tool_parser,
     example_arguments,
     get_tool_parser,
-    normalize_arguments,
 )
 
 FAMILIES = ["hermes", "qwen", "llama3", "mistral", "none"]

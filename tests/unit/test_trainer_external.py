@@ -95,7 +95,7 @@ async def test_external_source_trains_pushes_and_resumes(tmp_path, model_path):
         await _feed(source, engine, tok, "g0", 1)
         await _feed(source, engine, tok, "g1", 3)
 
-        with PPOTrainer(_cfg(tmp_path, 2), executor=source, engine=engine) as trainer:
+        with PPOTrainer(_cfg(tmp_path, 2), source=source, engine=engine) as trainer:
             assert trainer.data is None and trainer.total_steps == 2
             with pytest.raises(ValueError, match="no workflow"):
                 await trainer.atrain(workflow="x:y")
@@ -131,7 +131,7 @@ async def test_external_source_trains_pushes_and_resumes(tmp_path, model_path):
         await _feed(source2, engine, tok, "g2", 5)
         engine.set_version(0)  # as a freshly started engine
         source2.close_when_empty = True
-        with PPOTrainer(_cfg(tmp_path, None), executor=source2, engine=engine) as trainer2:
+        with PPOTrainer(_cfg(tmp_path, None), source=source2, engine=engine) as trainer2:
             assert trainer2.total_steps is None
             final2 = await asyncio.wait_for(trainer2.atrain(), timeout=600)
         assert final2["step"] == 3 and final2["version"] == 3

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_env.api.config import RolloutConfig
+from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.workflow import RolloutWorkflow
-from areal_env.workflow.batch import concat_tensor_dicts, rows_to_tensor_dict, tag_rows
+from areal_env.workflow.batch import collate, episode_rows, number_groups
 from areal_env.workflow.executor import RolloutExecutor, StalenessDeadlock
 from areal_env.workflow.grouped import GroupedRolloutWorkflow
 from areal_env.workflow.resolve import resolve_workflow
@@ -47,28 +48,24 @@ def rows(n_prompt: int, n_out: int, reward: float, version: int, n_rows: int = 1
     }
 
 
-def test_rows_and_concat_pad_right():
-    a = rows_to_tensor_dict(rows(2, 3, 1.0, 4))
-    b = rows_to_tensor_dict(rows(1, 1, 0.0, 5, n_rows=2))
-    assert a["input_ids"].shape == (1, 5) and b["input_ids"].shape == (2, 2)
-    assert a["versions"].tolist() == [[-1, -1, 4, 4, 4]]
-    td = concat_tensor_dicts(
-        [tag_rows(a, group_id=0, traj_id=0), tag_rows(b, group_id=1, traj_id=1)]
-    )
+def test_rows_are_numbered_once_and_collated_once():
+    a = rows_from_export(rows(2, 3, 1.0, 4))
+    b = rows_from_export(rows(1, 1, 0.0, 5, n_rows=2))
+    b[1].traj_id = 1  # a second trajectory in the same group
+    td = collate(number_groups([a, b]))
     assert td["input_ids"].shape == (3, 5)
+    assert td["versions"][0].tolist() == [-1, -1, 4, 4, 4]
     assert td["input_ids"][1].tolist() == [1, 2, 0, 0, 0]
     assert td["attention_mask"][1].tolist() == [True, True, False, False, False]
     assert td["loss_mask"][2].tolist() == [0, 1, 0, 0, 0]
     assert td["versions"][2].tolist() == [-1, 5, -1, -1, -1]
     assert td["logprobs"].dtype == torch.float32 and td["logprobs"][1, 2:].abs().sum() == 0
     assert td["rewards"].tolist() == [1.0, 0.0, 0.0]
-    assert td["group_ids"].tolist() == [0, 1, 1] and td["traj_ids"].tolist() == [0, 1, 1]
-    with pytest.raises(ValueError, match="keys"):
-        concat_tensor_dicts([a, tag_rows(b, group_id=1)])
+    assert td["group_ids"].tolist() == [0, 1, 1] and td["traj_ids"].tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="loss_mask"):
-        rows_to_tensor_dict(
-            [{"input_ids": [1, 2], "loss_mask": [1], "logprobs": [0, 0], "versions": [0, 0]}]
-        )
+        TrainingRow([1, 2], [1], [0.0, 0.0], [0, 0])
+    with pytest.raises(ValueError, match="at least one row"):
+        collate([])
 
 
 class ScriptedWorkflow(RolloutWorkflow):
@@ -120,11 +117,10 @@ async def test_grouped_keeps_valid_members_and_tags_them():
     from areal_env.workflow.proxy_workflow import episode_sink
 
     with episode_sink() as sink:
-        td = await wf.arun_episode(eng, {"task_id": "t1"})
-    assert sorted(td["traj_ids"].unique().tolist()) == [0, 3]
-    assert (td["group_ids"] == 0).all()
-    assert td["rewards"][td["traj_ids"] == 0].tolist() == [1.0]
-    assert set(td["rewards"][td["traj_ids"] == 3].tolist()) == {0.0}
+        out = await wf.arun_episode(eng, {"task_id": "t1"})
+    assert sorted({r.traj_id for r in out}) == [0, 3]  # the members' indices
+    assert [r.reward for r in out if r.traj_id == 0] == [1.0]
+    assert {r.reward for r in out if r.traj_id == 3} == {0.0}
     assert [r.accepted for r in sorted(sink, key=lambda r: r.traj_index)] == [
         True,
         False,
@@ -284,7 +280,6 @@ async def test_feed_exhaustion_gives_a_partial_batch():
 
 async def test_workflows_may_return_rows_or_interactions():
     from areal_env.proxy.cache import Interaction
-    from areal_env.workflow.grouped import normalize_episode_output
 
     it = Interaction(
         id="c1",
@@ -299,17 +294,21 @@ async def test_workflows_may_return_rows_or_interactions():
         stop_reason="stop",
         reward=0.5,
     )
-    td = normalize_episode_output({"c1": it})
+    td = _as_tensors({"c1": it})
     assert td["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
     assert td["loss_mask"].tolist() == [[0, 0, 0, 1, 1]]
     assert td["versions"].tolist() == [[-1, -1, -1, 3, 3]]
     assert td["logprobs"][0, 3:].tolist() == pytest.approx([-0.1, -0.2])
     assert td["rewards"].tolist() == [0.5]
-    td2 = normalize_episode_output(rows(1, 2, 1.0, 0))
+    td2 = _as_tensors(rows(1, 2, 1.0, 0))
     assert td2["input_ids"].shape == (1, 3)
-    assert normalize_episode_output(None) is None and normalize_episode_output({}) is None
+    # a tensor dict a workflow returns is un-padded into rows, then collated with the batch
+    td3 = _as_tensors(collate([*episode_rows({"c1": it}), *episode_rows(rows(1, 2, 1.0, 0))]))
+    assert td3["attention_mask"].sum(1).tolist() == [5, 3]
+    assert td3["input_ids"][1].tolist() == [1, 2, 3, 0, 0]
+    assert _as_tensors(None) is None and _as_tensors({}) is None
     with pytest.raises(TypeError, match="expected"):
-        normalize_episode_output([1, 2])
+        _as_tensors([1, 2])
 
 
 @given(
@@ -319,8 +318,10 @@ async def test_workflows_may_return_rows_or_interactions():
 )
 @settings(max_examples=40, deadline=None)
 def test_concat_preserves_every_row(shapes):
-    parts = [rows_to_tensor_dict(rows(p, o, float(p), 1, n_rows=n)) for n, p, o in shapes]
-    td = concat_tensor_dicts(parts)
+    parts = [collate(rows_from_export(rows(p, o, float(p), 1, n_rows=n))) for n, p, o in shapes]
+    td = collate(
+        number_groups([rows_from_export(rows(p, o, float(p), 1, n_rows=n)) for n, p, o in shapes])
+    )
     assert td["input_ids"].shape == (
         sum(n for n, _, _ in shapes),
         max(p + o for _, p, o in shapes),
@@ -334,3 +335,9 @@ def test_concat_preserves_every_row(shapes):
             assert (td["versions"][i, width:] == -1).all()
             assert td["loss_mask"][i].sum() == o and td["rewards"][i] == float(p)
             i += 1
+
+
+def _as_tensors(out):
+    """A workflow's output through the row record and the one collation."""
+    got = episode_rows(out)
+    return None if got is None else collate(got)

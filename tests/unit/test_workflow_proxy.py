@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from areal_env.api.config import RolloutConfig
+from areal_env.workflow.batch import collate
 from areal_env.workflow.executor import RolloutExecutor
 from areal_env.workflow.proxy_workflow import OpenAIProxyWorkflow, episode_sink
 from areal_env.workflow.resolve import resolve_workflow
@@ -86,7 +87,7 @@ def _wf(proxy_server, agent, **rollout_kw) -> OpenAIProxyWorkflow:
 async def test_float_reward_goes_to_last_completion(proxy_server, engine):
     wf = _wf(proxy_server, ReturnAgent(2.0, calls=2))
     with episode_sink() as sink:
-        td = await wf.arun_episode(engine, {"q": "Count", "task_id": "t-7"})
+        td = _batch(await wf.arun_episode(engine, {"q": "Count", "task_id": "t-7"}))
     (rec,) = sink
     assert rec.accepted and rec.task_id == "t-7" and rec.session_id and rec.reward == 2.0
     assert td["input_ids"].shape[0] == 2 and sorted(td["rewards"].tolist()) == [0.0, 2.0]
@@ -104,7 +105,7 @@ async def test_dict_reward_by_completion_id_and_discount(proxy_server, engine):
     agent = ReturnAgent(lambda ids: {ids[0]: 1.0, ids[1]: 0.25}, calls=2)
     wf = _wf(proxy_server, agent, discount=0.5)
     with episode_sink() as sink:
-        td = await wf.arun_episode(engine, {"q": "Hi"})
+        td = _batch(await wf.arun_episode(engine, {"q": "Hi"}))
     assert sink[0].accepted and isinstance(sink[0].reward, dict)
     by_id = {i["id"]: i["reward"] for i in sink[0].interactions}
     assert sorted(by_id.values()) == [0.25, 1.0]
@@ -319,3 +320,8 @@ async def test_prefetch_over_proxy_respects_staleness(proxy_server, engine):
     finally:
         await ex.aclose()
         engine.set_version(v0)
+
+
+def _batch(rows):
+    """An episode's rows as the trainer gets them (collated), or None when rejected."""
+    return None if rows is None else collate(rows)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from areal_env.api.config import RolloutConfig
+from areal_env.workflow.batch import collate
 from areal_env.workflow.proxy_workflow import episode_sink
 from areal_env.workflow.resolve import resolve_workflow
 
@@ -93,11 +94,11 @@ async def test_sync_agent_hanging_agent_and_recovery(proxy_server, engine, agent
     )
     try:
         with episode_sink() as sink:
-            td = await wf.arun_episode(engine, {"q": "Say yes.", "task_id": "s1"})
+            td = _batch(await wf.arun_episode(engine, {"q": "Say yes.", "task_id": "s1"}))
         assert td is not None and sink[0].accepted, sink[0].error
         assert td["rewards"].tolist() == [0.75] and int(td["loss_mask"].sum()) > 0
 
-        td = await wf.arun_episode(engine, {"q": "Say no.", "by_id": True})
+        td = _batch(await wf.arun_episode(engine, {"q": "Say no.", "by_id": True}))
         assert td is not None and td["rewards"].tolist() == [0.75]
 
         with episode_sink() as sink:
@@ -119,7 +120,7 @@ async def test_sync_agent_hanging_agent_and_recovery(proxy_server, engine, agent
 
         wf.rollout.episode_timeout = 60.0
         with episode_sink() as sink:
-            td = await wf.arun_episode(engine, {"q": "Say ok."})
+            td = _batch(await wf.arun_episode(engine, {"q": "Say ok."}))
         assert td is not None and sink[0].accepted, sink[0].error
         assert wf.stats["accepted"] == 3 and wf.stats["rejected"] == 3
     finally:
@@ -135,10 +136,10 @@ async def test_async_agent_and_pickled_instance(proxy_server, engine, agents_fil
     wf2 = _resolve(proxy_server, cls(reward=0.25), episode_timeout=60.0)
     wf3 = _resolve(proxy_server, f"{agents_file}:Unpicklable", episode_timeout=60.0)
     try:
-        td = await wf.arun_episode(engine, {"q": "Hello"})
+        td = _batch(await wf.arun_episode(engine, {"q": "Hello"}))
         assert td is not None and td["rewards"].tolist() == [0.5]
         assert wf2.agent_import is None
-        td = await wf2.arun_episode(engine, {"q": "Hello"})
+        td = _batch(await wf2.arun_episode(engine, {"q": "Hello"}))
         assert td is not None and td["rewards"].tolist() == [0.25]
         with episode_sink() as sink:
             assert await wf3.arun_episode(engine, {"q": "x"}) is None
@@ -146,3 +147,8 @@ async def test_async_agent_and_pickled_instance(proxy_server, engine, agents_fil
     finally:
         for w in (wf, wf2, wf3):
             await w.aclose()
+
+
+def _batch(rows):
+    """An episode's rows as the trainer gets them (collated), or None when rejected."""
+    return None if rows is None else collate(rows)

@@ -10,59 +10,28 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from areal_env.proxy.protocols.common import (
-    CompletionRequest,
-    bad_request,
-    check_tool_choice,
-    opt_bool,
-    opt_int,
-    opt_number,
-    require_object,
-    sse,
-    stop_list,
-    validate_function_tool,
-)
-
-
-def _text_blocks(content: Any, param: str) -> str:
-    """System prompts and tool results: a string or a list of text blocks."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, b in enumerate(content):
-            if (
-                not isinstance(b, dict)
-                or b.get("type") != "text"
-                or not isinstance(b.get("text"), str)
-            ):
-                kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-                raise bad_request(
-                    f"'{param}[{j}]': block type {kind!r} is not supported here (text only)"
-                )
-            texts.append(b["text"])
-        return "".join(texts)
-    raise bad_request(f"'{param}' must be a string or a list of text blocks")
+from areal_env.http import routes
+from areal_env.proxy.protocols import common
+from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
+from areal_env.proxy.protocols.errors import ProxyError, anthropic_error_body
 
 
 def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system is not None:
-        out.append({"role": "system", "content": _text_blocks(system, "system")})
+        out.append({"role": "system", "content": common.request_text(system, "system")})
     if not isinstance(raw, list) or not raw:
-        raise bad_request("messages: must be a non-empty list")
+        raise common.bad_request("messages: must be a non-empty list")
     for i, m in enumerate(raw):
         p = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"{p}.role: must be 'user' or 'assistant'")
+            raise common.bad_request(f"{p}.role: must be 'user' or 'assistant'")
         role, content = m["role"], m.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise bad_request(f"{p}.content: must be a string or a list of content blocks")
+            raise common.bad_request(f"{p}.content: must be a string or a list of content blocks")
         if role == "assistant":
             texts: list[str] = []
             calls: list[dict[str, Any]] = []
@@ -72,10 +41,12 @@ def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
                     texts.append(b["text"])
                 elif kind == "tool_use":
                     if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
-                        raise bad_request(f"{p}.content.{j}: tool_use needs string 'id' and 'name'")
+                        raise common.bad_request(
+                            f"{p}.content.{j}: tool_use needs string 'id' and 'name'"
+                        )
                     inp = b.get("input", {})
                     if not isinstance(inp, dict):
-                        raise bad_request(f"{p}.content.{j}.input: must be an object")
+                        raise common.bad_request(f"{p}.content.{j}.input: must be an object")
                     calls.append(
                         {
                             "id": b["id"],
@@ -89,7 +60,7 @@ def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
                 elif kind in ("thinking", "redacted_thinking"):
                     continue
                 else:
-                    raise bad_request(
+                    raise common.bad_request(
                         f"{p}.content.{j}: block type {kind!r} is not supported for assistant turns"
                     )
             msg: dict[str, Any] = {
@@ -111,13 +82,13 @@ def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
                     out.append({"role": "user", "content": "".join(pending)})
                     pending = []
                 if not isinstance(b.get("tool_use_id"), str):
-                    raise bad_request(f"{p}.content.{j}.tool_use_id: must be a string")
-                text = _text_blocks(b.get("content"), f"{p}.content.{j}.content")
+                    raise common.bad_request(f"{p}.content.{j}.tool_use_id: must be a string")
+                text = common.request_text(b.get("content"), f"{p}.content.{j}.content")
                 if b.get("is_error"):
                     text = f"Error: {text}" if text else "Error"
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
             else:
-                raise bad_request(
+                raise common.bad_request(
                     f"{p}.content.{j}: block type {kind!r} is not supported (this model takes text only)"
                 )
         if pending:
@@ -129,14 +100,16 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise bad_request("tools: must be a list")
+        raise common.bad_request("tools: must be a list")
     tools = []
     for i, t in enumerate(raw):
         if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
             kind = t.get("type") if isinstance(t, dict) else None
-            raise bad_request(f"tools.{i}: tool type {kind!r} is not supported (client tools only)")
+            raise common.bad_request(
+                f"tools.{i}: tool type {kind!r} is not supported (client tools only)"
+            )
         tools.append(
-            validate_function_tool(
+            common.validate_function_tool(
                 t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"
             )
         )
@@ -147,7 +120,7 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise bad_request('tool_choice: must be an object like {"type": "auto"}')
+        raise common.bad_request('tool_choice: must be an object like {"type": "auto"}')
     kind = raw.get("type")
     if kind == "auto":
         choice: Any = "auto"
@@ -158,16 +131,16 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
     elif kind == "tool":
         choice = {"type": "function", "function": {"name": raw.get("name")}}
     else:
-        raise bad_request("tool_choice.type: must be auto, any, tool or none")
-    check_tool_choice(choice, tools, "tool_choice")
+        raise common.bad_request("tool_choice.type: must be auto, any, tool or none")
+    common.check_tool_choice(choice, tools, "tool_choice")
     return choice
 
 
 def parse_request(body: Any) -> CompletionRequest:
-    body = require_object(body)
-    max_tokens = opt_int(body, "max_tokens", 1)
+    body = common.require_object(body)
+    max_tokens = common.opt_int(body, "max_tokens", 1)
     if max_tokens is None:
-        raise bad_request("max_tokens: Field required")
+        raise common.bad_request("max_tokens: Field required")
     tools = convert_tools(body.get("tools"))
     model = body.get("model")
     return CompletionRequest(
@@ -175,11 +148,11 @@ def parse_request(body: Any) -> CompletionRequest:
         tools=tools,
         tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
         max_tokens=max_tokens,
-        temperature=opt_number(body, "temperature", 0.0, 1.0),
-        top_p=opt_number(body, "top_p", 0.0, 1.0),
-        top_k=opt_int(body, "top_k", 0),
-        stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
-        stream=bool(opt_bool(body, "stream")),
+        temperature=common.opt_number(body, "temperature", 0.0, 1.0),
+        top_p=common.opt_number(body, "top_p", 0.0, 1.0),
+        top_k=common.opt_int(body, "top_k", 0),
+        stop=common.stop_list(body.get("stop_sequences"), "stop_sequences"),
+        stream=bool(common.opt_bool(body, "stream")),
         model=model if isinstance(model, str) else None,
     )
 
@@ -238,32 +211,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def build_response(
-    *,
-    message_id: str,
-    model: str,
-    message: dict[str, Any],
-    finish_reason: str,
-    stop_hit: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
+def build_response(answer: Answer) -> dict[str, Any]:
     return {
-        "id": message_id,
+        "id": answer.id,
         "type": "message",
         "role": "assistant",
-        "model": model,
-        "content": content_blocks(message),
-        "stop_reason": stop_reason(finish_reason, stop_hit),
-        "stop_sequence": stop_hit,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "model": answer.model,
+        "content": content_blocks(answer.message),
+        "stop_reason": stop_reason(answer.finish_reason, answer.stop_hit),
+        "stop_sequence": answer.stop_hit,
+        "usage": usage(answer.prompt_tokens, answer.completion_tokens),
     }
 
 
 class EventWriter:
-    """Anthropic SSE: message_start, content blocks (text / tool_use), message_delta, stop."""
+    """Anthropic SSE: message_start, content blocks (text / tool_use), message_delta, stop
+    (a StreamWriter)."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+    def __init__(
+        self, message_id: str, model: str, creq: CompletionRequest, prompt_tokens: int
+    ) -> None:
         self._id = message_id
         self._model = model
         self._prompt_tokens = prompt_tokens
@@ -271,7 +238,7 @@ class EventWriter:
         self._text_open = False
 
     def start(self) -> bytes:
-        msg = {
+        msg: dict[str, Any] = {
             "id": self._id,
             "type": "message",
             "role": "assistant",
@@ -283,7 +250,7 @@ class EventWriter:
         }
         return sse({"type": "message_start", "message": msg}, "message_start")
 
-    def text(self, delta: str) -> bytes:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         out = b""
         if not self._text_open:
             self._index += 1
@@ -311,7 +278,7 @@ class EventWriter:
         self._text_open = False
         return sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")
 
-    def tool_uses(self, calls: list[dict[str, Any]]) -> bytes:
+    def tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
         out = self._close_text()
         for c in calls:
             self._index += 1
@@ -334,21 +301,32 @@ class EventWriter:
             out += sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")
         return out
 
-    def finish(self, finish_reason: str, stop_hit: str | None, completion_tokens: int) -> bytes:
+    def finish(self, answer: Answer, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         out = self._close_text()
         out += sse(
             {
                 "type": "message_delta",
                 "delta": {
-                    "stop_reason": stop_reason(finish_reason, stop_hit),
-                    "stop_sequence": stop_hit,
+                    "stop_reason": stop_reason(answer.finish_reason, answer.stop_hit),
+                    "stop_sequence": answer.stop_hit,
                 },
-                "usage": {"output_tokens": completion_tokens},
+                "usage": {"output_tokens": answer.completion_tokens},
             },
             "message_delta",
         )
         return out + sse({"type": "message_stop"}, "message_stop")
 
     @staticmethod
-    def error(body: dict[str, Any]) -> bytes:
-        return sse(body, "error")
+    def error(err: ProxyError) -> bytes:
+        return sse(anthropic_error_body(err), "error")
+
+
+PROTOCOL = WireProtocol(
+    "anthropic",
+    routes.MESSAGES,
+    "msg_",
+    parse_request,
+    build_response,
+    EventWriter,
+    anthropic_error_body,
+)

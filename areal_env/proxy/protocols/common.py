@@ -13,9 +13,10 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from areal_env.proxy.protocols.errors import ProxyError, bad_request
+from areal_env.proxy.content import ContentError, content_text
+from areal_env.proxy.protocols.errors import ProxyError, bad_request, openai_error_body
 
 # Tags that open a tool call in the families the parsers know. Text that could be the start of
 # one is held back while streaming until it is resolved.
@@ -50,7 +51,70 @@ class CompletionRequest:
         return self.tools
 
 
+@dataclass
+class Answer:
+    """A finished completion as every protocol answers it (the pipeline's output)."""
+
+    id: str
+    model: str
+    creq: CompletionRequest
+    message: dict[str, Any]
+    """Assistant message in internal form: ``content`` and/or ``tool_calls``."""
+    finish_reason: str
+    stop_hit: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict[str, Any]] | None = None
+    """OpenAI logprob entries, when the request asked for them."""
+    interaction: Any = None
+    """The recorded :class:`~areal_env.proxy.cache.Interaction`."""
+
+
+class StreamWriter(Protocol):
+    """One stream's events in a protocol's own format (the pipeline calls these in order)."""
+
+    def start(self) -> bytes: ...
+
+    def text(self, text: str, logprobs: list[dict[str, Any]]) -> bytes: ...
+
+    def tool_calls(self, calls: list[dict[str, Any]]) -> bytes: ...
+
+    def finish(self, answer: Answer, logprobs: list[dict[str, Any]]) -> bytes: ...
+
+    def error(self, err: ProxyError) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class WireProtocol:
+    """One wire protocol: request conversion, response building, stream events, errors.
+
+    ``name`` is recorded with each interaction; ``route`` is where the proxy serves it;
+    ``id_prefix`` starts the ids it hands out (``chatcmpl-``, ``msg_``, ``resp_``).
+    ``stream(answer_id, model, request, prompt_tokens)`` makes the writer of one stream.
+    """
+
+    name: str
+    route: str
+    id_prefix: str
+    parse: Callable[[Any], CompletionRequest]
+    response: Callable[[Answer], dict[str, Any]]
+    stream: Callable[[str, str, CompletionRequest, int], StreamWriter]
+    error_body: Callable[[ProxyError], dict[str, Any]] = openai_error_body
+
+
 # ---- field validation (never let a wrong type reach the engine as a 500) ----------------------
+
+
+def request_text(content: Any, param: str | Callable[[], str]) -> str:
+    """Request content as text (see :mod:`areal_env.proxy.content`); 400 naming ``param``
+    otherwise. ``param`` may be a callable: only error paths build the name."""
+    if isinstance(content, str):  # the common case first
+        return content
+    name = param() if callable(param) else param
+    try:
+        return content_text(content, name)
+    except ContentError as e:
+        raise bad_request(str(e), e.where) from None
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -59,17 +123,21 @@ def require_object(body: Any) -> dict[str, Any]:
     return body
 
 
+def _check_bounds(name: str, v: float, lo: float | None, hi: float | None) -> None:
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be {bound}, got {v!r}", name)
+
+
 def opt_number(
     body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None
 ) -> float | None:
     v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise bad_request(f"'{name}' must be a number, got {v!r}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {v!r}", name)
-    return float(v)
+    if v is not None:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise bad_request(f"'{name}' must be a number, got {v!r}", name)
+        _check_bounds(name, v, lo, hi)
+    return None if v is None else float(v)
 
 
 def opt_int(
@@ -78,31 +146,24 @@ def opt_int(
     v = body.get(name)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise bad_request(f"'{name}' must be an integer, got {v!r}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad_request(f"'{name}' must be {bound}, got {v!r}", name)
+        raise bad_request(f"'{name}' must be an integer, got {v!r}", name)
+    _check_bounds(name, v, lo, hi)
     return v
 
 
 def opt_bool(body: dict[str, Any], name: str) -> bool | None:
     v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
+    if v is not None and not isinstance(v, bool):
         raise bad_request(f"'{name}' must be a boolean, got {v!r}", name)
     return v
 
 
 def opt_str(body: dict[str, Any], name: str) -> str | None:
     v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
+    if v is not None and not isinstance(v, str):
         raise bad_request(f"'{name}' must be a string, got {type(v).__name__}", name)
     return v
 
@@ -348,8 +409,3 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     if event:
         return f"event: {event}\ndata: {payload}\n\n".encode()
     return f"data: {payload}\n\n".encode()
-
-
-def ensure(cond: bool, message: str, param: str | None = None) -> None:
-    if not cond:
-        raise ProxyError(400, message, param=param)

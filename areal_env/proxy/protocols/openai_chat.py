@@ -11,73 +11,39 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from areal_env.proxy.protocols.common import (
-    CompletionRequest,
-    arguments_string,
-    bad_request,
-    openai_tool_choice,
-    openai_tool_list,
-    opt_bool,
-    opt_int,
-    opt_number,
-    require_object,
-    sse,
-    stop_list,
-    validate_function_tool,
-)
+from areal_env.http import routes
+from areal_env.proxy.protocols import common
+from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
+from areal_env.proxy.protocols.errors import ProxyError, openai_error_body
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-_TEXT_PARTS = {"text", "input_text", "output_text", "refusal"}
 
 
 def _content(content: Any, param: str | Callable[[], str], *, allow_none: bool) -> str | None:
-    """Content as text. ``param`` may be a callable: error paths only build the name."""
-    if isinstance(content, str):  # the common case first
-        return content
+    """Content as text; ``None`` only where the role allows it."""
     if content is None:
         if allow_none:
             return None
         name = param() if callable(param) else param
-        raise bad_request(f"'{name}' is required", name)
-    name = param() if callable(param) else param
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, dict):
-                raise bad_request(f"'{name}[{j}]' must be a content part object", name)
-            kind = part.get("type")
-            if kind in _TEXT_PARTS:
-                text = part.get("text", part.get("refusal"))
-                if not isinstance(text, str):
-                    raise bad_request(f"'{name}[{j}].text' must be a string", name)
-                texts.append(text)
-            else:
-                raise bad_request(
-                    f"content part type {kind!r} is not supported (this model takes text only)",
-                    name,
-                )
-        return "".join(texts)
-    raise bad_request(f"'{name}' must be a string or a list of content parts", name)
+        raise common.bad_request(f"'{name}' is required", name)
+    return common.request_text(content, param)
 
 
 def convert_messages(raw: Any) -> list[dict[str, Any]]:
     """Validate and convert messages. Runs over the whole history on every request, so the
     valid path does no string formatting (parameter names are built only for errors)."""
     if not isinstance(raw, list) or not raw:
-        raise bad_request("'messages' must be a non-empty list", "messages")
+        raise common.bad_request("'messages' must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
     append = out.append
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             p = f"messages[{i}]"
-            raise bad_request(f"'{p}' must be an object", p)
+            raise common.bad_request(f"'{p}' must be an object", p)
         role = m.get("role")
         if role not in _ROLES:
             p = f"messages[{i}]"
-            raise bad_request(
+            raise common.bad_request(
                 f"'{p}.role' must be one of system, developer, user, assistant, tool; got {role!r}",
                 f"{p}.role",
             )
@@ -94,7 +60,7 @@ def convert_messages(raw: Any) -> list[dict[str, Any]]:
             if calls:
                 if not isinstance(calls, list):
                     p = f"messages[{i}]"
-                    raise bad_request(f"'{p}.tool_calls' must be a list", f"{p}.tool_calls")
+                    raise common.bad_request(f"'{p}.tool_calls' must be a list", f"{p}.tool_calls")
                 msg["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(calls)]
             elif m.get("function_call"):  # legacy single call
                 fc = m["function_call"]
@@ -106,7 +72,9 @@ def convert_messages(raw: Any) -> list[dict[str, Any]]:
             tid = m.get("tool_call_id") or m.get("name")
             if not isinstance(tid, str):
                 p = f"messages[{i}]"
-                raise bad_request(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
+                raise common.bad_request(
+                    f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id"
+                )
             append(
                 {
                     "role": "tool",
@@ -128,7 +96,7 @@ def _tool_call(c: Any, i: int, j: int | None, field: str = "tool_calls") -> dict
     fn = c.get("function") if isinstance(c, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     cid = c.get("id") if isinstance(c, dict) else None
-    if isinstance(name, str) and name and isinstance(cid, str):
+    if isinstance(fn, dict) and isinstance(name, str) and name and isinstance(cid, str):
         args = fn.get("arguments")
         return {
             "id": cid,
@@ -137,15 +105,17 @@ def _tool_call(c: Any, i: int, j: int | None, field: str = "tool_calls") -> dict
                 "name": name,
                 "arguments": args
                 if isinstance(args, str)
-                else arguments_string(args, _call_param(i, j, field) + ".function.arguments"),
+                else common.arguments_string(
+                    args, _call_param(i, j, field) + ".function.arguments"
+                ),
             },
         }
     p = _call_param(i, j, field)
     if not isinstance(fn, dict):
-        raise bad_request(f"'{p}' must be an object with a 'function'", p)
+        raise common.bad_request(f"'{p}' must be an object with a 'function'", p)
     if not isinstance(name, str) or not name:
-        raise bad_request(f"'{p}.function.name' must be a non-empty string", p)
-    raise bad_request(f"'{p}.id' must be a string", p)
+        raise common.bad_request(f"'{p}.function.name' must be a non-empty string", p)
+    raise common.bad_request(f"'{p}.id' must be a string", p)
 
 
 def _call_param(i: int, j: int | None, field: str) -> str:
@@ -153,7 +123,7 @@ def _call_param(i: int, j: int | None, field: str) -> str:
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
-    return openai_tool_list(raw, _convert_tool)
+    return common.openai_tool_list(raw, _convert_tool)
 
 
 def _convert_tool(t: Any, p: str) -> dict[str, Any]:
@@ -162,9 +132,13 @@ def _convert_tool(t: Any, p: str) -> dict[str, Any]:
         or t.get("type", "function") != "function"
         or not isinstance(t.get("function"), dict)
     ):
-        raise bad_request(f"'{p}' must be a function tool {{type: function, function: {{...}}}}", p)
+        raise common.bad_request(
+            f"'{p}' must be a function tool {{type: function, function: {{...}}}}", p
+        )
     fn = t["function"]
-    return validate_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), p)
+    return common.validate_function_tool(
+        fn.get("name"), fn.get("description"), fn.get("parameters"), p
+    )
 
 
 def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
@@ -174,36 +148,38 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
         and isinstance(raw.get("function"), dict)
     )
     name = raw["function"].get("name") if named else None
-    return openai_tool_choice(raw, tools, named, name, "{type: function, function: {name}}")
+    return common.openai_tool_choice(raw, tools, named, name, "{type: function, function: {name}}")
 
 
 def parse_request(body: Any) -> CompletionRequest:
-    body = require_object(body)
-    n = opt_int(body, "n", 1)
+    body = common.require_object(body)
+    n = common.opt_int(body, "n", 1)
     if n not in (None, 1):
-        raise bad_request("only n=1 is supported; send several requests for several samples", "n")
+        raise common.bad_request(
+            "only n=1 is supported; send several requests for several samples", "n"
+        )
     tools = convert_tools(body.get("tools"))
-    stream = bool(opt_bool(body, "stream"))
+    stream = bool(common.opt_bool(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
-    logprobs = bool(opt_bool(body, "logprobs"))
-    top = opt_int(body, "top_logprobs", 0, 20) or 0
+        raise common.bad_request("'stream_options' must be an object", "stream_options")
+    logprobs = bool(common.opt_bool(body, "logprobs"))
+    top = common.opt_int(body, "top_logprobs", 0, 20) or 0
     if top and not logprobs:
-        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = opt_int(body, "max_completion_tokens", 1)
+        raise common.bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens = common.opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = opt_int(body, "max_tokens", 1)
+        max_tokens = common.opt_int(body, "max_tokens", 1)
     model = body.get("model")
     return CompletionRequest(
         messages=convert_messages(body.get("messages")),
         tools=tools,
         tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
         max_tokens=max_tokens,
-        temperature=opt_number(body, "temperature", 0.0, 2.0),
-        top_p=opt_number(body, "top_p", 0.0, 1.0),
-        stop=stop_list(body.get("stop"), "stop"),
-        seed=opt_int(body, "seed"),
+        temperature=common.opt_number(body, "temperature", 0.0, 2.0),
+        top_p=common.opt_number(body, "top_p", 0.0, 1.0),
+        stop=common.stop_list(body.get("stop"), "stop"),
+        seed=common.opt_int(body, "seed"),
         stream=stream,
         include_usage=bool(stream and opts and opts.get("include_usage")),
         logprobs=logprobs,
@@ -220,43 +196,38 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def build_response(
-    *,
-    completion_id: str,
-    model: str,
-    message: dict[str, Any],
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: list[dict[str, Any]] | None,
-) -> dict[str, Any]:
+def build_response(answer: Answer) -> dict[str, Any]:
+    message = answer.message
     msg = {"role": "assistant", "content": message.get("content"), "refusal": None}
     if message.get("tool_calls"):
         msg["tool_calls"] = message["tool_calls"]
+    lp = answer.logprobs
     return {
-        "id": completion_id,
+        "id": answer.id,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": model,
+        "model": answer.model,
         "choices": [
             {
                 "index": 0,
                 "message": msg,
-                "logprobs": {"content": logprobs, "refusal": None}
-                if logprobs is not None
-                else None,
-                "finish_reason": finish_reason,
+                "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
+                "finish_reason": answer.finish_reason,
             }
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(answer.prompt_tokens, answer.completion_tokens),
         "system_fingerprint": None,
     }
 
 
 class ChunkWriter:
-    """Builds ``chat.completion.chunk`` SSE events for one streamed completion."""
+    """``chat.completion.chunk`` SSE events for one streamed completion (a StreamWriter)."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, completion_id: str, model: str, creq: CompletionRequest, prompt_tokens: int = 0
+    ) -> None:
+        self._logprobs = creq.logprobs
+        include_usage = creq.include_usage
         self._head = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -282,11 +253,11 @@ class ChunkWriter:
             obj["usage"] = None
         return sse(obj)
 
-    def role(self) -> bytes:
+    def start(self) -> bytes:
         return self._chunk({"role": "assistant", "content": ""})
 
-    def content(self, text: str, logprobs: list | None = None) -> bytes:
-        return self._chunk({"content": text}, logprobs=logprobs)
+    def text(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        return self._chunk({"content": text}, logprobs=logprobs if self._logprobs else None)
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
         """One delta per call: index, id, type, name and the whole arguments string."""
@@ -309,15 +280,21 @@ class ChunkWriter:
             )
         return out
 
-    def finish(self, finish_reason: str, logprobs: list | None = None) -> bytes:
-        return self._chunk({}, finish_reason, logprobs)
+    def finish(self, answer: Answer, logprobs: list[dict[str, Any]]) -> bytes:
+        out = self._chunk({}, answer.finish_reason, logprobs if self._logprobs else None)
+        if self._include_usage:
+            obj = dict(self._head)
+            obj["choices"] = []
+            obj["usage"] = usage(answer.prompt_tokens, answer.completion_tokens)
+            out += sse(obj)
+        return out + DONE
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        obj = dict(self._head)
-        obj["choices"] = []
-        obj["usage"] = usage(prompt_tokens, completion_tokens)
-        return sse(obj)
+    def error(self, err: ProxyError) -> bytes:
+        return sse(openai_error_body(err)) + DONE
 
-    @staticmethod
-    def done() -> bytes:
-        return b"data: [DONE]\n\n"
+
+DONE = b"data: [DONE]\n\n"
+
+PROTOCOL = WireProtocol(
+    "openai_chat", routes.CHAT_COMPLETIONS, "chatcmpl-", parse_request, build_response, ChunkWriter
+)

@@ -12,63 +12,36 @@ import secrets
 import time
 from typing import Any
 
-from areal_env.proxy.protocols.common import (
-    CompletionRequest,
-    arguments_string,
-    bad_request,
-    openai_tool_choice,
-    openai_tool_list,
-    opt_bool,
-    opt_int,
-    opt_number,
-    opt_str,
-    require_object,
-    sse,
-)
-
-_TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
-
-
-def _text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _TEXT_PARTS:
-                t = part.get("text", part.get("refusal"))
-                if not isinstance(t, str):
-                    raise bad_request(f"'{param}[{j}].text' must be a string", param)
-                texts.append(t)
-            else:
-                raise bad_request(f"content part type {kind!r} is not supported (text only)", param)
-        return "".join(texts)
-    raise bad_request(f"'{param}' must be a string or a list of content parts", param)
+from areal_env.http import routes
+from areal_env.proxy.protocols import common
+from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
+from areal_env.proxy.protocols.errors import ProxyError
 
 
 def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise bad_request("'instructions' must be a string", "instructions")
+            raise common.bad_request("'instructions' must be a string", "instructions")
         out.append({"role": "system", "content": instructions})
     if isinstance(raw, str):
         out.append({"role": "user", "content": raw})
         return out
     if not isinstance(raw, list) or not raw:
-        raise bad_request("'input' must be a string or a non-empty list of items", "input")
+        raise common.bad_request("'input' must be a string or a non-empty list of items", "input")
     for i, item in enumerate(raw):
         p = f"input[{i}]"
         if not isinstance(item, dict):
-            raise bad_request(f"'{p}' must be an object", p)
+            raise common.bad_request(f"'{p}' must be an object", p)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"'{p}.role' must be user, assistant, system or developer", p)
+                raise common.bad_request(
+                    f"'{p}.role' must be user, assistant, system or developer", p
+                )
             role = "system" if role == "developer" else role
-            text = _text(item.get("content"), f"{p}.content")
+            text = common.request_text(item.get("content"), f"{p}.content")
             if (
                 role == "assistant"
                 and out
@@ -89,13 +62,15 @@ def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
-                raise bad_request(f"'{p}' function_call needs string 'call_id' and 'name'", p)
+                raise common.bad_request(
+                    f"'{p}' function_call needs string 'call_id' and 'name'", p
+                )
             call = {
                 "id": call_id,
                 "type": "function",
                 "function": {
                     "name": name,
-                    "arguments": arguments_string(item.get("arguments"), f"{p}.arguments"),
+                    "arguments": common.arguments_string(item.get("arguments"), f"{p}.arguments"),
                 },
             }
             if out and out[-1]["role"] == "assistant":
@@ -105,31 +80,31 @@ def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
-                raise bad_request(f"'{p}.call_id' must be a string", p)
+                raise common.bad_request(f"'{p}.call_id' must be a string", p)
             output = item.get("output")
-            text = output if isinstance(output, str) else _text(output, f"{p}.output")
+            text = output if isinstance(output, str) else common.request_text(output, f"{p}.output")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             continue
         else:
-            raise bad_request(f"input item type {kind!r} is not supported", p)
+            raise common.bad_request(f"input item type {kind!r} is not supported", p)
     return out
 
 
 def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
-    return openai_tool_list(raw, _convert_tool)
+    return common.openai_tool_list(raw, _convert_tool)
 
 
 def _convert_tool(t: Any, p: str) -> dict[str, Any]:
     if not isinstance(t, dict) or t.get("type") != "function":
         kind = t.get("type") if isinstance(t, dict) else None
-        raise bad_request(f"tool type {kind!r} is not supported (function tools only)", p)
+        raise common.bad_request(f"tool type {kind!r} is not supported (function tools only)", p)
     name = t.get("name")
     if not isinstance(name, str) or not name:
-        raise bad_request(f"'{p}.name' must be a non-empty string", p)
+        raise common.bad_request(f"'{p}.name' must be a non-empty string", p)
     params = t.get("parameters")
     if params is not None and not isinstance(params, dict):
-        raise bad_request(f"'{p}.parameters' must be a JSON schema object", p)
+        raise common.bad_request(f"'{p}.parameters' must be a JSON schema object", p)
     fn: dict[str, Any] = {"name": name}
     if isinstance(t.get("description"), str) and t["description"]:
         fn["description"] = t["description"]
@@ -142,24 +117,24 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
         isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("name"), str)
     )
     name = raw["name"] if named else None
-    return openai_tool_choice(raw, tools, named, name, "{type: function, name}")
+    return common.openai_tool_choice(raw, tools, named, name, "{type: function, name}")
 
 
 def parse_request(body: Any) -> CompletionRequest:
-    body = require_object(body)
+    body = common.require_object(body)
     tools = convert_tools(body.get("tools"))
     model = body.get("model")
     req = CompletionRequest(
         messages=convert_input(body.get("instructions"), body.get("input")),
         tools=tools,
         tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
-        max_tokens=opt_int(body, "max_output_tokens", 1),
-        temperature=opt_number(body, "temperature", 0.0, 2.0),
-        top_p=opt_number(body, "top_p", 0.0, 1.0),
-        stream=bool(opt_bool(body, "stream")),
+        max_tokens=common.opt_int(body, "max_output_tokens", 1),
+        temperature=common.opt_number(body, "temperature", 0.0, 2.0),
+        top_p=common.opt_number(body, "top_p", 0.0, 1.0),
+        stream=bool(common.opt_bool(body, "stream")),
         model=model if isinstance(model, str) else None,
     )
-    prev = opt_str(body, "previous_response_id")
+    prev = common.opt_str(body, "previous_response_id")
     if prev:
         req.extra["previous_response_id"] = prev
     req.extra["echo"] = {
@@ -266,12 +241,14 @@ def status_of(finish_reason: str) -> str:
 
 
 class EventWriter:
-    """Responses streaming events, with sequence numbers, for one response."""
+    """Responses streaming events, with sequence numbers, for one response (a StreamWriter)."""
 
-    def __init__(self, response_id: str, model: str, echo: dict[str, Any]) -> None:
+    def __init__(
+        self, response_id: str, model: str, creq: CompletionRequest, prompt_tokens: int = 0
+    ) -> None:
         self._id = response_id
         self._model = model
-        self._echo = echo
+        self._echo: dict[str, Any] = creq.extra.get("echo", {})
         self._seq = 0
         self._created = time.time()
         self._output: list[dict[str, Any]] = []
@@ -301,7 +278,7 @@ class EventWriter:
             {"type": "response.in_progress", "response": r}
         )
 
-    def text(self, delta: str) -> bytes:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         out = b""
         if self._msg is None:
             self._msg = message_item("", status="in_progress")
@@ -364,7 +341,7 @@ class EventWriter:
         self._msg = None
         return out
 
-    def function_calls(self, calls: list[dict[str, Any]]) -> bytes:
+    def tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
         out = self._close_text()
         for c in calls:
             idx = len(self._output)
@@ -395,12 +372,31 @@ class EventWriter:
             self._output.append(item)
         return out
 
-    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def finish(self, answer: Answer, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         out = self._close_text()
-        status = status_of(finish_reason)
+        status = status_of(answer.finish_reason)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        r = self._resp(status, finish_reason, usage(prompt_tokens, completion_tokens))
+        use = usage(answer.prompt_tokens, answer.completion_tokens)
+        r = self._resp(status, answer.finish_reason, use)
         return out + self._ev({"type": kind, "response": r})
 
-    def error(self, message: str, code: str | None) -> bytes:
-        return self._ev({"type": "error", "code": code, "message": message, "param": None})
+    def error(self, err: ProxyError) -> bytes:
+        return self._ev({"type": "error", "code": err.code, "message": err.message, "param": None})
+
+
+def build_response(answer: Answer) -> dict[str, Any]:
+    return response_object(
+        response_id=answer.id,
+        model=answer.model,
+        echo=answer.creq.extra.get("echo", {}),
+        output=output_items(answer.message),
+        status=status_of(answer.finish_reason),
+        finish_reason=answer.finish_reason,
+        usage_obj=usage(answer.prompt_tokens, answer.completion_tokens),
+    )
+
+
+# ``previous_response_id`` is resolved by the pipeline, which owns the conversation tree.
+PROTOCOL = WireProtocol(
+    "responses", routes.RESPONSES, "resp_", parse_request, build_response, EventWriter
+)

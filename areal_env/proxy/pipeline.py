@@ -1,0 +1,394 @@
+"""The proxy's shared pipeline (:class:`ProxyState`), whatever the wire protocol.
+
+authenticate the session key → convert to internal OpenAI-chat messages (the protocol object)
+→ find the parent interaction in the session's tree → splice (parent prompt + parent output +
+new turns) or render from scratch → ``engine.agenerate`` (or ``agenerate_stream``) → parse
+tool calls → record the :class:`~areal_env.proxy.cache.Interaction` → an :class:`Answer` the
+protocol object turns into its own response or stream events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from areal_env.api.config import ProxyConfig
+from areal_env.api.engine import EngineUnavailableError, InferenceEngine, PromptTooLongError
+from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
+from areal_env.proxy.protocols.common import (
+    DEFAULT_TOOL_MARKERS,
+    Answer,
+    CompletionRequest,
+    StreamWriter,
+    TextStream,
+    TokenTexts,
+    content_remainder,
+    truncate_at_stop,
+)
+from areal_env.proxy.protocols.errors import ProxyError, bad_request
+from areal_env.proxy.render import ChatRenderer, RenderError
+from areal_env.proxy.sessions import Session, SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine."""
+
+    session: Session
+    creq: CompletionRequest
+    prompt_ids: list[int]
+    parent: Interaction | None
+    gconfig: GenerationConfig
+    interaction_id: str
+    protocol: str
+    started: float
+
+
+class ProxyState:
+    """Everything the routes share: engine, renderer, sessions, counters."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        config: ProxyConfig | None = None,
+        *,
+        admin_key: str,
+        model_name: str | None = None,
+        renderer: ChatRenderer | None = None,
+        max_context_len: int | None = None,
+    ) -> None:
+        self.config = config or ProxyConfig()
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.renderer = renderer or ChatRenderer(tokenizer, self.config.tool_parser)
+        self.model_name = (
+            model_name or self.config.model_name or str(engine.model_path or "default")
+        )
+        self.max_context_len = int(
+            max_context_len
+            or engine.max_context_len
+            or getattr(tokenizer, "model_max_length", 0)
+            or 8192
+        )
+        if self.max_context_len > 10_000_000:  # tokenizers report a huge sentinel when unknown
+            self.max_context_len = 8192
+        cfg = self.config
+        self.registry = SessionRegistry(
+            cache_factory=lambda sid: InteractionCache(
+                max_interactions=cfg.max_interactions_per_session,
+                max_tokens=cfg.max_tokens_per_session,
+            ),
+            admin_key=admin_key,
+            ttl=cfg.session_ttl,
+            max_sessions=cfg.max_sessions,
+            initial_capacity=cfg.initial_capacity,
+        )
+        self.token_texts = TokenTexts(tokenizer)
+        self._skip_ids = frozenset(self.renderer.stop_token_ids) | frozenset(engine.eos_token_ids)
+        parser = self.renderer.parser
+        marker = getattr(parser, "open_tag", None) or getattr(parser, "marker", None)
+        self.tool_markers = (
+            (marker,) if isinstance(marker, str) and marker else DEFAULT_TOOL_MARKERS
+        )
+        self.started_at = time.time()
+        self.counters = {"requests": 0, "errors": 0, "streams": 0}
+
+    # ---- request → prompt ---------------------------------------------------------------------
+    def prepare(
+        self, session: Session, creq: CompletionRequest, protocol: str, id_prefix: str
+    ) -> Prepared:
+        """Find the parent, build the prompt ids (spliced when possible), check the bounds."""
+        cache = session.cache
+        if cache.max_interactions is not None and len(cache) >= cache.max_interactions:
+            raise ProxyError(
+                413,
+                f"session holds the maximum of {cache.max_interactions} interactions",
+                code="session_limit",
+            )
+        messages = creq.messages
+        parent = cache.find_parent(messages)
+        try:
+            if parent is not None:
+                n = len(parent.messages) + 1
+                if len(messages) > n and parent.tools == creq.tools:
+                    # Share the parent's (identical, verified) message objects instead of keeping
+                    # a fresh copy of the whole history per turn: memory stays O(turns).
+                    messages = creq.messages = [
+                        *parent.messages,
+                        parent.output_message,
+                        *messages[n:],
+                    ]
+                    prompt_ids = self.renderer.render_extension(
+                        parent, messages[n:], creq.tools, creq.tool_choice
+                    )
+                else:
+                    session.stats.re_renders += 1
+                    prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+            else:
+                if any(m.get("role") == "assistant" for m in messages):
+                    session.stats.re_renders += 1  # history we did not produce, or edited
+                prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+        except RenderError as e:
+            raise bad_request(str(e), "messages") from None
+        n_prompt = len(prompt_ids)
+        if n_prompt + 1 > self.max_context_len:
+            raise ProxyError(
+                413,
+                f"prompt has {n_prompt} tokens; with at least one new token it exceeds the "
+                f"context length {self.max_context_len}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if cache.max_tokens is not None and cache.total_tokens + n_prompt + 1 > cache.max_tokens:
+            raise ProxyError(
+                413,
+                f"session would exceed its maximum of {cache.max_tokens} tokens",
+                code="session_limit",
+            )
+        max_new = creq.max_tokens or self.config.default_max_tokens
+        max_new = max(1, min(max_new, self.max_context_len - n_prompt))
+        temperature = 1.0 if creq.temperature is None else creq.temperature
+        top_p = 1.0 if creq.top_p is None else creq.top_p
+        try:
+            gconfig = GenerationConfig(
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=top_p if top_p > 0 else 1.0,
+                top_k=creq.top_k or 0,
+                greedy=temperature == 0 or top_p == 0,
+                stop=creq.stop,
+                stop_token_ids=list(self.renderer.stop_token_ids),
+                seed=creq.seed,
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return Prepared(
+            session=session,
+            creq=creq,
+            prompt_ids=prompt_ids,
+            parent=parent,
+            gconfig=gconfig,
+            interaction_id=f"{id_prefix}{secrets.token_hex(16)}",
+            protocol=protocol,
+            started=time.perf_counter(),
+        )
+
+    def model_request(self, prep: Prepared) -> ModelRequest:
+        return ModelRequest(
+            input_ids=prep.prompt_ids, gconfig=prep.gconfig, rid=prep.interaction_id
+        )
+
+    # ---- engine result → recorded interaction ------------------------------------------------
+    def record(self, prep: Prepared, result: ModelResponse, model: str = "") -> Answer:
+        creq, session = prep.creq, prep.session
+        stop_reason = result.stop_reason
+        if stop_reason == "abort":
+            if not result.output_tokens:
+                raise ProxyError(503, "generation was aborted (engine stopping or paused); retry")
+            stop_reason = "length"
+        parsed = self.renderer.parse_output(
+            list(result.output_tokens), stop_reason, creq.tools, creq.tool_choice
+        )
+        content, stop_hit = truncate_at_stop(parsed.content, creq.stop)
+        finish = parsed.finish_reason
+        if stop_hit is not None and not parsed.tool_calls:
+            finish = "stop"
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+            if not content:
+                message["content"] = None
+        elif content is None:
+            message["content"] = ""
+        if parsed.tool_parse_error:
+            session.stats.tool_parse_failures += 1
+            if parsed.tool_call_recovery == "raw_arguments":
+                session.stats.tool_calls_raw_arguments += 1
+            elif parsed.tool_call_recovery == "markup_removed":
+                session.stats.tool_markup_removed += 1
+        it = Interaction(
+            id=prep.interaction_id,
+            session_id=session.id,
+            messages=creq.messages,
+            tools=creq.tools,
+            output_message=message,
+            prompt_ids=prep.prompt_ids,
+            output_ids=list(result.output_tokens),
+            output_logprobs=list(result.output_logprobs),
+            output_versions=list(result.output_versions),
+            stop_reason=finish,
+            parent_id=prep.parent.id if prep.parent is not None else None,
+            extra={
+                "protocol": prep.protocol,
+                "engine_stop_reason": result.stop_reason,
+                "tool_parse_error": parsed.tool_parse_error,
+                "tool_call_recovery": parsed.tool_call_recovery,
+                "latency": time.perf_counter() - prep.started,
+            },
+        )
+        try:
+            session.cache.add(it)
+        except SessionLimitError as e:
+            raise ProxyError(413, str(e), code="session_limit") from None
+        st = session.stats
+        st.completions += 1
+        st.spliced += bool(it.spliced)
+        st.prompt_tokens += len(prep.prompt_ids)
+        st.output_tokens += len(it.output_ids)
+        return Answer(
+            prep.interaction_id,
+            model,
+            creq,
+            message,
+            finish,
+            stop_hit,
+            len(prep.prompt_ids),
+            len(it.output_ids),
+            interaction=it,
+        )
+
+    async def generate(self, prep: Prepared, model: str = "") -> Answer:
+        session = prep.session
+        session.in_flight += 1
+        try:
+            with engine_errors():
+                result = await self.engine.agenerate(self.model_request(prep))
+            done = self.record(prep, result, model)
+            if prep.creq.logprobs:
+                it = done.interaction
+                done.logprobs = self.logprob_entries(it.output_ids, it.output_logprobs)
+            return done
+        finally:
+            session.in_flight -= 1
+            session.touch()
+
+    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        keep = [(t, lp) for t, lp in zip(ids, logprobs, strict=False) if t not in self._skip_ids]
+        return self.token_texts.logprob_entries([t for t, _ in keep], [lp for _, lp in keep])
+
+    # ---- streaming ----------------------------------------------------------------------------
+    async def open_stream(
+        self, prep: Prepared
+    ) -> tuple[AsyncGenerator[StreamChunk, None], StreamChunk]:
+        """Start the engine stream and wait for its first chunk, so errors still get a status."""
+        agen = self.engine.agenerate_stream(self.model_request(prep))
+        prep.session.in_flight += 1
+        try:
+            with engine_errors():
+                first = await agen.__anext__()
+        except BaseException:
+            prep.session.in_flight -= 1
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+            raise
+        return agen, first
+
+    async def stream(
+        self,
+        prep: Prepared,
+        agen: AsyncGenerator[StreamChunk, None],
+        first: StreamChunk,
+        writer: StreamWriter,
+        model: str,
+    ) -> AsyncIterator[bytes]:
+        """Run one stream: text deltas as tokens arrive, then calls, finish and usage events,
+        written by the protocol's ``writer``."""
+        self.counters["streams"] += 1
+        creq = prep.creq
+        try:
+            yield writer.start()
+            ts = TextStream(
+                self.tokenizer,
+                skip_ids=self._skip_ids,
+                tool_markers=self.tool_markers if creq.parse_tools else (),
+                stop=creq.stop,
+            )
+            if creq.parse_tools and self.renderer.prefill_text(creq.tools, creq.tool_choice):
+                ts.in_tool_call = True  # the prompt already opened a call
+            pending_lp: list[dict[str, Any]] = []
+            chunk = first
+            while True:
+                if creq.logprobs and chunk.token_ids:
+                    pending_lp.extend(self.logprob_entries(chunk.token_ids, chunk.logprobs))
+                text = ts.add(chunk.token_ids)
+                if text:
+                    yield writer.text(text, pending_lp)
+                    pending_lp = []
+                if chunk.final is not None:
+                    break
+                with engine_errors():
+                    chunk = await agen.__anext__()
+            text = ts.finish()
+            if text:
+                yield writer.text(text, pending_lp)
+                pending_lp = []
+            done = self.record(prep, chunk.final, model)
+            rest = content_remainder(done.message.get("content"), ts.emitted_text)
+            if rest:
+                yield writer.text(rest, pending_lp)
+                pending_lp = []
+            if done.message.get("tool_calls"):
+                yield writer.tool_calls(done.message["tool_calls"])
+            yield writer.finish(done, pending_lp)
+        except ProxyError as e:
+            self.counters["errors"] += 1
+            yield writer.error(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("stream failed")
+            self.counters["errors"] += 1
+            yield writer.error(ProxyError(500, "internal error while streaming"))
+        finally:
+            prep.session.in_flight -= 1
+            prep.session.touch()
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+
+    # ---- health -------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        version = None
+        with contextlib.suppress(Exception):
+            version = self.engine.get_version()
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "sessions": self.registry.live_sessions,
+            "sessions_held": len(self.registry),
+            "sessions_started": self.registry.total_started,
+            "sessions_expired": self.registry.total_expired,
+            "capacity": self.registry.capacity,
+            "engine_version": version,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "requests": dict(self.counters),
+            "stats": self.registry.aggregate_stats(),
+        }
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """Engine exceptions → client statuses (503 down, 413 too long, 400 invalid)."""
+    try:
+        yield
+    except ProxyError:
+        raise
+    except EngineUnavailableError as e:
+        raise ProxyError(
+            503, f"inference engine unavailable: {e}", code="engine_unavailable"
+        ) from None
+    except PromptTooLongError as e:
+        raise ProxyError(413, str(e), code="context_length_exceeded") from None
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    except StopAsyncIteration:
+        raise ProxyError(503, "inference engine ended the stream without a result") from None

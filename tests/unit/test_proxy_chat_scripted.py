@@ -1,0 +1,80 @@
+"""Chat Completions through the official ``openai`` SDK on a scripted engine: every field of
+the answer and of the stream is what the script says (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from areal_env.engine.testing import Reply
+from tests.fixtures.proxy import export_session, open_session
+
+CALL = '<tool_call>[{"name": "lookup", "arguments": {"query": "x"}}]</tool_call>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture
+def engine(scripted_proxy):
+    engine = scripted_proxy.state.engine
+    yield engine
+    assert engine.pending == 0, "a scripted reply was not used"
+
+
+def _client(proxy, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+
+
+def test_answer_logprobs_usage_and_record(scripted_proxy, engine):
+    engine.push(Reply(text="Fine, thanks.", logprobs=-0.25, version=7))
+    sid, key = open_session(scripted_proxy)
+    r = _client(scripted_proxy, key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "How are you?"}], logprobs=True
+    )
+    choice = r.choices[0]
+    assert choice.message.content == "Fine, thanks." and choice.finish_reason == "stop"
+    assert r.id.startswith("chatcmpl-") and r.model == "m"
+    lps = choice.logprobs.content
+    assert "".join(t.token for t in lps) == "Fine, thanks."
+    assert all(t.logprob == pytest.approx(-0.25) for t in lps)
+    n_out = r.usage.completion_tokens
+    assert n_out == len(lps) + 1  # + eos, which is not shown as a token
+    row = export_session(scripted_proxy, sid)["trajectories"][r.id]
+    assert row["versions"][-n_out:] == [7] * n_out and sum(row["loss_mask"]) == n_out
+    assert row["input_ids"][:-n_out] == engine.requests[-1].input_ids
+
+
+def test_stream_text_tool_calls_and_usage(scripted_proxy, engine):
+    engine.push("Streaming works.", CALL)
+    _, key = open_session(scripted_proxy)
+    client = _client(scripted_proxy, key)
+    msgs = [{"role": "user", "content": "Stream, please."}]
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=msgs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Streaming works."
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    chunks = list(
+        client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, stream=True)
+    )
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("lookup", {"query": "x"})
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the tool-call text itself never leaks into the content deltas
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

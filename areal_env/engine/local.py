@@ -664,7 +664,8 @@ class LocalEngine:
         With the prefix cache on, requests whose prompt starts with a cached prefix only prefill
         the rest; a long prefix shared by several new requests is prefilled once first.
         """
-        plain, cached = admit, []
+        plain: list[_Request] = admit
+        cached: list[_Request] = []
         if self._prefix.enabled:
             self._seed_shared_prefixes(admit)
             plain, cached = [], []

@@ -92,8 +92,11 @@ class ToolEnvironment(Protocol):
     ``ToolCallResult(is_error=True)``, not an exception.
     """
 
-    where: str
-    tool_error_policy: str
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def tool_error_policy(self) -> str: ...
 
     async def __aenter__(self) -> ToolEnvironment: ...
 

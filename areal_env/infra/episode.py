@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from areal_env.api.imports import import_string
 from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
 from areal_env.infra.aenv.config import AenvConfig
 from areal_env.infra.base import ToolEnvironment, reward_value
@@ -136,8 +137,6 @@ def resolve_reward_fn(reward_fn: Callable[..., Any] | str | None) -> Callable[..
     if reward_fn is None or callable(reward_fn):
         return reward_fn
     if isinstance(reward_fn, str):
-        from areal_env.workflow.resolve import import_string
-
         try:
             fn = import_string(reward_fn)
         except (ImportError, AttributeError) as e:
@@ -185,7 +184,7 @@ async def compute_reward(
             "env": env,
         }
         try:
-            params = inspect.signature(reward_fn).parameters.values()
+            params = list(inspect.signature(reward_fn).parameters.values())
         except (TypeError, ValueError):
             params = []
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

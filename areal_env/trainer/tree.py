@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class PackedTree:
         """Bool [N, N]: ``mask[q, k]`` iff node ``k`` is ``q`` or one of its ancestors."""
         n = self.n_nodes
         mask = torch.zeros((n, n), dtype=torch.bool, device=device)
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        cache: dict[int, torch.Tensor] = {}
         for path in self.paths:
             length = int(path.numel())
             if length not in cache:
@@ -218,7 +219,8 @@ def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
 
 def packed_size(rows: Sequence[Sequence[int]]) -> int:
     """Trie node count of ``rows`` without building it."""
-    total, prev = 0, ()
+    total = 0
+    prev: tuple[int, ...] = ()
     for row in sorted(tuple(r) for r in rows):
         total += len(row) - _lcp(prev, row)
         prev = row
@@ -278,7 +280,7 @@ def _model_mask(model: torch.nn.Module, mask: torch.Tensor, dtype: torch.dtype) 
 
 
 def tree_token_logprobs(
-    model: torch.nn.Module,
+    model: Any,
     tree: PackedTree,
     scored: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],

@@ -101,12 +101,12 @@ class PackedTree:
         slot = torch.empty(self.n_nodes, dtype=torch.long)
         ar_q = torch.arange(block)
         ar_k = torch.arange(width)
-        for b, (q, k, d0) in enumerate(zip(q_rows, k_rows, depth0, strict=True)):
-            nq, nk = int(q.numel()), int(k.numel())
-            q_idx[b, :nq] = q
-            k_idx[b, :nk] = k
+        for b, (qr, kr, d0) in enumerate(zip(q_rows, k_rows, depth0, strict=True)):
+            nq, nk = int(qr.numel()), int(kr.numel())
+            q_idx[b, :nq] = qr
+            k_idx[b, :nk] = kr
             allowed[b, :nq] = (ar_k[None, :] <= (d0 + ar_q[:nq])[:, None]) & (ar_k < nk)
-            slot[q] = b * block + ar_q[:nq]
+            slot[qr] = b * block + ar_q[:nq]
         return TreeBlocks(q_idx, k_idx, allowed[:, None], slot)
 
 
@@ -157,7 +157,7 @@ def enable_tree_attention(model: torch.nn.Module) -> bool:
 
     Returns False (and changes nothing) for other attention implementations.
     """
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)
     impl = getattr(cfg, "_attn_implementation", None)
     if impl == TREE_ATTN:
         return True

@@ -211,7 +211,10 @@ def _check_ids(ids: Any, vocab: int | None) -> None:
     ):
         raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
     if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
-        raise BadRequest(f"input_ids must be token ids in [0, {vocab})")
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise BadRequest(
+            f"input_ids must be token ids in [0, {vocab}): {bad} is outside the vocabulary"
+        )
 
 
 def parse_generate(

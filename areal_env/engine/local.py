@@ -329,7 +329,9 @@ class LocalEngine:
                 )
             if state is not None:
                 self._load_state(state)
-                self._lora_base = {}  # new base weights: a later adapter merges onto these
+                self._lora_base: dict[
+                    str, Any
+                ] = {}  # new base weights: a later adapter merges onto these
             self._prefix.clear()  # cached KV belongs to the old weights
             with self._cv:
                 self._version += 1

@@ -36,7 +36,7 @@ class AdapterSpec:
     def from_config(cls, cfg: Any) -> AdapterSpec:
         """From a peft ``LoraConfig`` object or an ``adapter_config.json`` dict."""
         get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-        return cls(r=int(get("r")), alpha=float(get("lora_alpha")))
+        return cls(r=int(get("r") or 0), alpha=float(get("lora_alpha") or 0.0))
 
 
 def _base_name(key: str) -> str:

@@ -119,7 +119,7 @@ class NcclWeightSync:
             [],
             self.backend,
             prefixed,
-            group_name=GROUP_NAME,
+            group_name=GROUP_NAME,  # type: ignore[arg-type]
             timeout=timeout,
         )
         _world.pg_group_ranks[pg] = {i: i for i in range(self.world_size)}

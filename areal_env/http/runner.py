@@ -69,7 +69,8 @@ class ServerThread:
     ``background``: a coroutine function run on the server's loop while it serves (cancelled at
     stop), e.g. a maintenance loop. ``health_path``: ``start()`` also waits for a 200 there.
     ``before_start``: called once the socket is bound, before the thread starts.
-    ``options``: :func:`uvicorn_config` keywords (``log_level``, ``ssl_keyfile``, ...).
+    ``ssl_keyfile``/``ssl_certfile``: serve https. ``options``: more :func:`uvicorn_config`
+    keywords (``log_level``, ``timeout_keep_alive``).
     """
 
     app: Any
@@ -81,6 +82,8 @@ class ServerThread:
     health_path: str | None = None
     background: Background | None = None
     before_start: Callable[[], None] | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     _server: uvicorn.Server | None = field(default=None, init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -100,7 +103,14 @@ class ServerThread:
             return
         self._sock = sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._server = server = uvicorn.Server(uvicorn_config(self.app, **self.options))
+        self._server = server = uvicorn.Server(
+            uvicorn_config(
+                self.app,
+                ssl_keyfile=self.ssl_keyfile,
+                ssl_certfile=self.ssl_certfile,
+                **self.options,
+            )
+        )
         # Signals belong to the host application, not to a server in a helper thread.
         server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
         if self.before_start is not None:

@@ -113,7 +113,7 @@ class Launch:
     def run(self) -> int:
         if self.plan.start_servers and self.plan.node_rank == 0:
             self.servers = start_servers(self.cfg)
-        addresses = list(self.servers.addresses) if self.servers else []
+        addresses: list[str] = list(self.servers.addresses) if self.servers else []
         cmd = self.plan.torchrun_command(addresses)
         logger.info("starting the trainer ranks: %s", shlex.join(cmd))
         env = {**os.environ, **self.plan.extra_env}

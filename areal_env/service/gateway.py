@@ -502,7 +502,7 @@ class Gateway:
             sess = await self._start_on_backend(user, group_id, task_id, metadata or {})
         except BaseException:
             self.keys.release(user)
-            if admitted:
+            if admitted and self.source is not None:
                 self.source.release_admission()
             raise
         if persist:
@@ -601,8 +601,9 @@ class Gateway:
         reason = "finalized as failed by the client"
         try:
             if status == "ok" and final_reward is not None:
-                payload = {"reward": float(final_reward)}
-                resp = await self._session_post(sess, routes.SET_REWARD, payload)
+                resp = await self._session_post(
+                    sess, routes.SET_REWARD, {"reward": float(final_reward)}
+                )
                 if resp.status_code == 404:
                     status, reason = "failed", "the session made no completions"
                 elif resp.status_code >= 400:
@@ -616,7 +617,7 @@ class Gateway:
                 self._fail_session(sess, reason, retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
             assert sess.backend is not None
-            payload = {
+            payload: dict[str, Any] = {
                 "session_id": sess.backend_session_id,
                 "discount": self.discount,
                 "style": self.export_style,
@@ -913,6 +914,7 @@ class Gateway:
             body = await json_body(request)
             sess = await gw._session(user, gw._session_id(request, in_key, body))
             reward = _reward(body.get("reward"), "reward", required=True)
+            assert reward is not None  # required=True refuses a missing reward
             completion_id = body.get("completion_id") or body.get("interaction_id")
             return await gw.set_reward(sess, reward, completion_id)
 
@@ -953,10 +955,10 @@ class Gateway:
                 ):
                     raise ServiceError(400, f"{name} must be a positive integer")
                 limits[name] = value
-            name = body.get("name")
-            if name is not None and not isinstance(name, str):
+            key_name = body.get("name")
+            if key_name is not None and not isinstance(key_name, str):
                 raise ServiceError(400, "name must be a string")
-            key, user = await asyncio.to_thread(gw.keys.issue, name=name, **limits)
+            key, user = await asyncio.to_thread(gw.keys.issue, name=key_name, **limits)
             logger.info("issued user key %s (%s)", user.key_id, user.name or "unnamed")
             return {"api_key": key, **user.describe()}
 
@@ -1029,6 +1031,7 @@ class Gateway:
             self._release(sess, "done")  # inference only: never trained on
             self.sessions.pop(sess.id, None)
 
+        assert sess.backend is not None  # a started session has its backend
         try:
             return await self.forward(
                 request, sess, sess.backend, sess.session_key, on_close=close, user=user

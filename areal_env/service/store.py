@@ -314,7 +314,8 @@ class SQLStore:
         *,
         rewarded: bool | None = None,
     ) -> None:
-        sets, params = ["updated = ?"], [time.time()]
+        sets: list[str] = ["updated = ?"]
+        params: list[Any] = [time.time()]
         if state is not None:
             sets += ["state = ?", "error = ?"]
             params += [state, error]

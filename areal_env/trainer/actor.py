@@ -33,6 +33,7 @@ from areal_env.trainer.dist import (
     all_reduce_tensor,
     full_state_dict,
     init_distributed,
+    micro_batches,
     padded_micro_batches,
     shard_model,
     to_local_float,
@@ -145,7 +146,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def scored_logits(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     sel_next: torch.Tensor,
@@ -163,7 +164,7 @@ def scored_logits(
 
 
 def _scored_logits_impl(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     sel_next: torch.Tensor,
@@ -178,7 +179,7 @@ def _scored_logits_impl(
     return out.logits[:, :-1][sel_next]
 
 
-def install_scored_forward(model: torch.nn.Module) -> None:
+def install_scored_forward(model: Any) -> None:
     """Make ``scored_logits`` a forward method of ``model`` that FSDP hooks: the root's sharded
     parameters (embeddings, final norm, LM head) are gathered before it runs and its gradients
     reduced after, exactly as for ``forward``."""
@@ -191,7 +192,7 @@ def install_scored_forward(model: torch.nn.Module) -> None:
 
 
 def token_logprobs(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     mask: torch.Tensor,
@@ -216,26 +217,6 @@ def token_logprobs(
             probs = torch.softmax(logits, dim=-1)
             entropy = lse - (probs * logits).sum(-1)
     return logp, entropy
-
-
-def micro_batches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
-    """Pack ``rows`` (longest first) so each micro-batch's padded size rows×max_len ≤ max_tokens
-    (a single longer row still gets its own micro-batch)."""
-    order = sorted(rows, key=lambda r: -lengths[r])
-    out: list[list[int]] = []
-    cur: list[int] = []
-    cur_max = 0
-    for r in order:
-        new_max = max(cur_max, lengths[r])
-        if cur and new_max * (len(cur) + 1) > max_tokens:
-            out.append(cur)
-            cur, cur_max = [], 0
-            new_max = lengths[r]
-        cur.append(r)
-        cur_max = new_max
-    if cur:
-        out.append(cur)
-    return out
 
 
 @dataclass
@@ -295,7 +276,7 @@ class PPOActor:
         # FSDP keeps fp32 master weights and computes in bf16 on GPU (mixed precision).
         self.mixed_precision = actor.strategy == "fsdp" and self.dtype != torch.float32
         self.model_path = model_path
-        self.model = self._load(model_path, trainable=True)
+        self.model: Any = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
         if actor.strategy == "fsdp":
             # Sharded ranks must run the same passes; tree packing varies them per rank.
@@ -317,13 +298,16 @@ class PPOActor:
             self.optimizer = torch.optim.AdamW(
                 params,
                 lr=actor.lr,
-                betas=tuple(actor.adam_betas),
+                betas=(actor.adam_betas[0], actor.adam_betas[1]),
                 weight_decay=actor.weight_decay,
                 **kwargs,
             )
         except (RuntimeError, TypeError):  # fused unsupported for this device/dtype
             self.optimizer = torch.optim.AdamW(
-                params, lr=actor.lr, betas=tuple(actor.adam_betas), weight_decay=actor.weight_decay
+                params,
+                lr=actor.lr,
+                betas=(actor.adam_betas[0], actor.adam_betas[1]),
+                weight_decay=actor.weight_decay,
             )
         self.update_count = 0
 
@@ -363,7 +347,7 @@ class PPOActor:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None
+        self, batch: dict[str, torch.Tensor], model: Any | None = None
     ) -> torch.Tensor:
         """Recompute logprobs [B, L] of the scored tokens at the sampling temperature (0
         elsewhere), in token-bounded micro-batches."""
@@ -429,7 +413,7 @@ class PPOActor:
 
     def _tree_logprobs(
         self,
-        model: torch.nn.Module,
+        model: Any,
         input_ids: torch.Tensor,
         mask: torch.Tensor,
         lengths: list[int],
@@ -736,7 +720,7 @@ class PPOActor:
         return save_adapter_folder(folder, adapter, pcfg)
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
+def _enable_checkpointing(model: Any) -> None:
     """Activation (gradient) checkpointing, non-reentrant, across transformers versions."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -745,7 +729,7 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+def _set_gradient_sync(model: Any, sync: bool) -> None:
     """Under FSDP reduce gradients only after the last micro-batch of a minibatch."""
     fn = getattr(model, "set_requires_gradient_sync", None)
     if fn is not None:
@@ -759,7 +743,7 @@ def _first_token_mask(width: int) -> torch.Tensor:
     return m
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+def apply_lora(model: Any, lora: LoraConfig) -> torch.nn.Module:
     """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable."""
     try:
         from peft import LoraConfig as PeftLoraConfig
@@ -783,7 +767,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     return wrapped
 
 
-def merged_lora_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+def merged_lora_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor]:
     """Base weights with the adapters merged in, under the base model's own names (what a
     server without LoRA support loads). Collective under FSDP; rank 0 gets the weights."""
     full = full_state_dict(model)

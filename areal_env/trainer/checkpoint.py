@@ -72,7 +72,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
-    export_hf: Callable[[Path], None] | None = None,
+    export_hf: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
 
@@ -116,7 +116,7 @@ def _save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     keep_last: int | None,
-    export_hf: Callable[[Path], None] | None,
+    export_hf: Callable[[Path], Any] | None,
 ) -> Path:
     import torch.distributed.checkpoint as dcp
 

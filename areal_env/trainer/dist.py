@@ -243,13 +243,31 @@ def split_rows(rows: list[int], lengths: list[int], world_size: int) -> list[lis
     return [sorted(s) for s in shares]
 
 
+def micro_batches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
+    """Pack ``rows`` (longest first) so each micro-batch's padded size rows×max_len ≤ max_tokens
+    (a single longer row still gets its own micro-batch)."""
+    order = sorted(rows, key=lambda r: -lengths[r])
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for r in order:
+        new_max = max(cur_max, lengths[r])
+        if cur and new_max * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, cur_max = [], 0
+            new_max = lengths[r]
+        cur.append(r)
+        cur_max = new_max
+    if cur:
+        out.append(cur)
+    return out
+
+
 def padded_micro_batches(
     rows: list[int], lengths: list[int], max_tokens: int, ctx: DistContext
 ) -> list[list[int] | None]:
     """This rank's micro-batches of ``rows`` (split across ranks), padded with ``None`` to the
     largest count over all ranks, so every rank runs as many forward/backward passes."""
-    from areal_env.trainer.actor import micro_batches
-
     shares = split_rows(rows, lengths, ctx.world_size)
     per_rank = [micro_batches(lengths, s, max_tokens) if s else [] for s in shares]
     n = max(len(p) for p in per_rank)

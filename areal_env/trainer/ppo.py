@@ -466,7 +466,7 @@ class PPOTrainer:
     def _update_all_ranks(self, batch: dict[str, Any]) -> dict[str, float]:
         """The PPO update; every rank gets the batch and trains on its token-balanced share."""
         self._command({"op": "update", "batch": batch, "step": self.step})
-        return self.actor.update(batch, step=self.step)
+        return self._actor.update(batch, step=self.step)
 
     def _follow(self) -> dict[str, Any]:
         """A rank other than 0: build the sharded actor, restore, then run the collectives rank
@@ -481,7 +481,7 @@ class PPOTrainer:
                 break
             if op == "update":
                 self.step = int(cmd["step"])
-                self.actor.update(cmd["batch"], step=self.step)
+                self._actor.update(cmd["batch"], step=self.step)
             elif op == "push":
                 self._gather_for_push(cmd["what"])
             elif op == "save":
@@ -614,28 +614,28 @@ class PPOTrainer:
 
             sg = self.config.engine.sglang
             sync = self._nccl_sync = NcclWeightSync(
-                self.engine,
+                self._engine,
                 master_address=socket.gethostbyname(socket.gethostname()),
                 master_port=sg.weight_sync_port,
                 tp_size=sg.tp_size,
             )
-        device = self.actor.device
-        self.engine.pause()
+        device = self._actor.device
+        self._engine.pause()
         try:
             sync.push(((k, v.to(device)) for k, v in weights.items()), new_version)
         finally:
-            self.engine.resume()
-        self.engine.set_version(new_version)
+            self._engine.resume()
+        self._engine.set_version(new_version)
 
     def _gather_for_push(self, what: str, folder: Path | None = None) -> Any:
         """The collective half of a push: every rank runs it, rank 0 gets (or writes) the
         weights; the other ranks write nothing."""
         if what == "full":
-            return self.actor.state_dict_for_engine()
+            return self._actor.state_dict_for_engine()
         target = folder or self.run_dir / "weights" / "unused"
         if what == "adapter":
-            return self.actor.save_adapter(target)
-        return self.actor.export_hf(target)
+            return self._actor.save_adapter(target)
+        return self._actor.export_hf(target)
 
     def _save_checkpoint(self) -> Path:
         self._command({"op": "save", "step": self.step})
@@ -660,5 +660,5 @@ class PPOTrainer:
             optimizer=actor.optimizer,
             trainer_state=state,
             keep_last=self.config.trainer.keep_checkpoints,
-            export_hf=self.actor.export_hf,
+            export_hf=actor.export_hf,
         )

@@ -64,7 +64,7 @@ def _tag(request: Any) -> None:
         request.headers[SESSION_HEADER] = session_id
 
 
-def _wrap_send(cls: type) -> None:
+def _wrap_send(cls: Any) -> None:
     original = cls.send
     if getattr(original, "_areal_session_hook", False):
         return

@@ -105,7 +105,8 @@ class AenvAgent(EnvAgentBase):
         """Run one episode on ``data`` and return its reward.
 
         ``extra_kwargs``: ``base_url``, ``api_key``, ``http_client`` (injected by the training
-        workflow; else ``OPENAI_BASE_URL``/``OPENAI_API_KEY``), ``model``.
+        workflow; else ``OPENAI_BASE_URL``/``OPENAI_API_KEY``), ``model``, ``is_eval`` (True in a
+        held-out evaluation: the proxy session is greedy then; the episode itself is the same).
         """
         model = self.model_name(extra_kwargs)
         async with self.openai_client(extra_kwargs) as client:

@@ -15,6 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "areal_env.launch.local",
         "Start inference servers, then torchrun trainer ranks: areal-env launch CONFIG.yaml",
     ),
+    "eval": (
+        "areal_env.trainer.eval_cli",
+        "Evaluate a checkpoint (or the base model) on held-out data: areal-env eval CONFIG.yaml",
+    ),
     "demo": ("areal_env.demo", "The main job: a short training run on the embedded default model"),
     "serve": (
         "areal_env.engine.server",

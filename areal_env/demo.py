@@ -2,9 +2,12 @@
 
 By default it trains ``areal_env.AenvAgent`` on the example AEnvironment calculator
 (``examples/aenv``): the demo starts the aenvironment server, SmolLM2-135M-Instruct runs on the
-CPU behind the interception proxy, the agent solves arithmetic word problems with the
-environment's ``add``/``multiply`` tools, and the environment's reward function checks the final
-answer. ``--example capitals`` runs the plain-OpenAI-SDK capitals agent (``examples/demo``)
+CPU behind the interception proxy, the agent solves arithmetic word problems that mix the four
+operations and need one to three calls of the environment's ``add``/``subtract``/``multiply``/
+``divide`` tools, and the environment's reward function pays only for a right plain answer. The
+64 held-out problems are evaluated greedily before and after training; the demo prints the
+before/after table (success, valid tool calls, mean turns) with the paired p-value and draws the
+eval curve beside the reward curve. ``--example capitals`` runs the plain-OpenAI-SDK capitals agent (``examples/demo``)
 instead. Each run is a new trial (``demo-<timestamp>``) and prints where its metrics, reward plot,
 trajectory dumps and checkpoint are.
 """

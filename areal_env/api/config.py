@@ -158,6 +158,23 @@ class ProxyConfig:
     """Name reported by /v1/models (default: model.path)."""
     initial_capacity: int | None = None
     """Sessions that may start before any /grant_capacity; None = unlimited (no capacity control)."""
+    sampling: Literal["trainer", "agent"] = "trainer"
+    """Who sets the sampling parameters of recorded completions. trainer = the experiment's
+    ``gconfig`` (temperature, top_p, top_k) replaces what the agent sends, and the agent's
+    max_tokens is capped at ``gconfig.max_new_tokens`` (logprobs are recomputed at the same
+    temperature); agent = the agent's own parameters are used and recorded per completion, and
+    the trainer recomputes each row at its own temperature. Evaluation sessions are greedy in
+    both modes. A proxy without a trainer (``areal-env proxy``) has no gconfig: agent params."""
+    constrain_required: bool = True
+    """``tool_choice: required`` (with a prompt-formatted tool call, e.g. hermes): constrain the
+    start of the call to an offered tool's name and its first argument key, as OpenAI's API and
+    vLLM/SGLang's guided decoding guarantee a call of an offered tool. The rest of the call is
+    free. Needs the embedded engine (SGLang servers ignore the constraint)."""
+    worked_example: bool = False
+    """For chat templates that ignore tools: also inject one worked example exchange (a request
+    and a call of the first offered tool, placeholder arguments) after the system prompt. Weak
+    tool callers (SmolLM2-135M) follow the call format far more often with it, but the example
+    can solve the task for them, so it is off by default."""
 
     def validate(self) -> None:
         check_port("proxy", self.port)
@@ -327,7 +344,12 @@ class TrainerConfig:
     recover: Literal["auto", "off"] = "auto"
     """auto = resume from the trial's last checkpoint if there is one; off = start fresh."""
     eval_freq_steps: int | None = None
-    """Evaluate on valid_dataset every N steps (None = never)."""
+    """Evaluate on valid_dataset every N steps (None = only before the first and after the last
+    step). Evaluation is greedy; it needs ``valid_dataset``."""
+    eval_before_training: bool = True
+    """With a valid_dataset: evaluate the model before the first training step (the baseline)."""
+    eval_success_reward: float = 1.0
+    """An evaluation episode counts as a success when its reward is at least this."""
     tensorboard: bool = True
     """Also write metrics for TensorBoard (run_dir/tensorboard)."""
     progress: bool = True
@@ -346,6 +368,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.keep_checkpoints={self.keep_checkpoints!r} must be >= 1 "
                 "(or null: keep every checkpoint)"
+            )
+        if self.eval_freq_steps is not None and self.eval_freq_steps < 1:
+            raise ConfigError(
+                f"trainer.eval_freq_steps={self.eval_freq_steps!r} must be >= 1 (or null: "
+                "evaluate only before and after training)"
             )
 
 

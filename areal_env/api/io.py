@@ -39,6 +39,12 @@ class GenerationConfig:
     """Keep generating past eos/stop tokens (benchmarks)."""
     seed: int | None = None
     """Per-request sampling seed (reproducible whatever else is batched)."""
+    prefix_choices: list[list[int]] | None = None
+    """Constrained start: the output begins with one of these token sequences, then runs free
+    (the proxy uses it for ``tool_choice: required``: the call names an offered tool). Tokens are
+    drawn from the distribution restricted to the allowed ones; their reported logprobs are those
+    of the unrestricted distribution, which is what the trainer recomputes. Engines that cannot
+    constrain (SGLang) ignore it."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +64,11 @@ class GenerationConfig:
                 self.stop = [self.stop]
             if not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.prefix_choices is not None and not (
+            all(isinstance(c, list) and c for c in self.prefix_choices)
+            and all(isinstance(t, int) and t >= 0 for c in self.prefix_choices for t in c)
+        ):
+            raise ValueError("prefix_choices must be a list of non-empty lists of token ids")
         if self.stop_token_ids is not None and not all(
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):

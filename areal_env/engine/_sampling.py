@@ -26,6 +26,19 @@ class RowSampling:
     top_k: int
     top_p: float
     rng: random.Random | None  # None for greedy rows
+    choices: list[list[int]] | None = None  # constrained start (GenerationConfig.prefix_choices)
+
+    def allowed(self, out_tokens: list[int]) -> list[int] | None:
+        """Tokens allowed next after ``out_tokens`` (None = any): while the output is still a
+        proper prefix of some choice, only the continuations of those choices."""
+        if not self.choices:
+            return None
+        n = len(out_tokens)
+        nxt = {c[n] for c in self.choices if len(c) > n and c[:n] == out_tokens}
+        if not nxt:
+            self.choices = None  # a choice is complete: free from here on
+            return None
+        return sorted(nxt)
 
 
 def sampling_log_probs(
@@ -61,11 +74,18 @@ def sampling_log_probs(
     return torch.log_softmax(filtered, dim=-1)
 
 
-def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+def sample_rows(
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    allowed: list[list[int] | None] | None = None,
+) -> tuple[list[int], list[float]]:
     """Pick one token per row; return the tokens and their logprobs (plain Python lists).
 
     Greedy rows take the argmax and report the logprob under the untempered, untruncated
     distribution (a point mass would give 0 and carry no information for training).
+    ``allowed[i]``: row i may only pick one of these tokens (constrained decoding); it is drawn
+    from the row's tempered distribution restricted to them, and its reported logprob is the
+    unrestricted one (what a trainer recomputes from the model).
     """
     device = logits.device
     temp = torch.tensor(
@@ -76,6 +96,17 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
         [1.0 if r.greedy else r.top_p for r in rows], dtype=torch.float64, device=device
     )
     logp = sampling_log_probs(logits, temp, top_k, top_p)
+    report = logp
+    constrained = [i for i, a in enumerate(allowed or []) if a]
+    if constrained:
+        full = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+        logp, report = logp.clone(), logp.clone()
+        for i in constrained:
+            ids = torch.tensor(allowed[i], dtype=torch.long, device=device)  # type: ignore[index]
+            row = torch.full_like(logp[i], float("-inf"))
+            row[ids] = full[i, ids]
+            logp[i] = row
+            report[i] = full[i]
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
@@ -88,5 +119,5 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int
         )
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         chosen.index_copy_(0, idx, draw.clamp_(max=logp.shape[-1] - 1))
-    token_logp = logp.gather(1, chosen[:, None])[:, 0]
+    token_logp = report.gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), token_logp.tolist()

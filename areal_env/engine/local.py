@@ -69,6 +69,13 @@ class _Request:
     reason: str = ""  # why it stopped (set by _check_done)
 
 
+def _allowed(rows: list[_Request]) -> list[list[int] | None] | None:
+    """Each row's allowed next tokens under its constrained start (None when no row has one)."""
+    if not any(r.sampling.choices for r in rows):
+        return None
+    return [r.sampling.allowed(r.out_tokens) for r in rows]
+
+
 def _length_groups(
     reqs: list[_Request],
     max_waste: float = 0.2,
@@ -540,6 +547,7 @@ class LocalEngine:
                 top_k=int(g.top_k),
                 top_p=float(g.top_p),
                 rng=rng,
+                choices=[list(c) for c in g.prefix_choices] if g.prefix_choices else None,
             ),
         )
         with self._cv:
@@ -650,7 +658,9 @@ class LocalEngine:
         kv.advance(1)
         self._positions += 1
         logits = out.logits[:, -1, :]
-        tokens, logps = sample_rows(logits, [r.sampling for r in self._running])
+        tokens, logps = sample_rows(
+            logits, [r.sampling for r in self._running], _allowed(self._running)
+        )
         self._stats["decode_steps"] += 1
         self._stats["batch_size_sum"] += len(self._running)
         self._stats["max_batch_size_seen"] = max(
@@ -807,7 +817,7 @@ class LocalEngine:
             for i, r in enumerate(admit):
                 if lengths[i] >= _MIN_PREFIX:
                     self._prefix.insert(r.req.input_ids, new_kv[:, :, i][:, :, :, mask[i]])
-        tokens, logps = sample_rows(logits, [r.sampling for r in admit])
+        tokens, logps = sample_rows(logits, [r.sampling for r in admit], _allowed(admit))
         now = time.perf_counter()
         for r in admit:
             r.first_token_at = now

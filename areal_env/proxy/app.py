@@ -32,6 +32,7 @@ from areal_env.proxy.protocols.common import (
 )
 from areal_env.proxy.protocols.errors import ProxyError, bad_request
 from areal_env.proxy.render import RenderError
+from areal_env.proxy.sampling import validate_session_sampling
 from areal_env.proxy.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,12 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
         meta = body.get("metadata")
         if meta is not None and not isinstance(meta, dict):
             raise bad_request("'metadata' must be an object", "metadata")
+        try:
+            sampling = validate_session_sampling(body.get("sampling"))
+        except ValueError as e:
+            raise bad_request(str(e), "sampling") from None
         session, key = state.registry.start(ids["task_id"], ids["group_id"], meta)
+        session.sampling = sampling
         return json_response({"session_id": session.id, "api_key": key})
 
     @app.post(routes.SET_REWARD)
@@ -297,6 +303,8 @@ def _apply_previous_response(session: Session, creq: CompletionRequest) -> None:
 
 def _interaction_summary(state: ProxyState, it: Interaction, include_text: bool) -> dict[str, Any]:
     versions = it.output_versions
+    names = [c.get("function", {}).get("name") for c in it.output_message.get("tool_calls") or []]
+    offered = {(t.get("function") or t).get("name") for t in it.tools or [] if isinstance(t, dict)}
     out: dict[str, Any] = {
         "id": it.id,
         "parent_id": it.parent_id,
@@ -307,6 +315,10 @@ def _interaction_summary(state: ProxyState, it: Interaction, include_text: bool)
         "num_output_tokens": len(it.output_ids),
         "versions": [min(versions), max(versions)] if versions else [],
         "created_at": it.created_at,
+        "sampling": it.extra.get("sampling"),
+        "tool_calls": names,
+        "valid_tool_calls": sum(1 for n in names if n in offered),
+        "tool_parse_error": bool(it.extra.get("tool_parse_error")),
     }
     if include_text:
         dec = state.tokenizer.decode

@@ -429,15 +429,25 @@ class InteractionCache:
         loss_mask = [0] * n_prompt + [1] * n_out
         logprobs = [0.0] * n_prompt + list(it.output_logprobs)
         versions = [-1] * n_prompt + list(it.output_versions)
+        t_end = float(it.extra.get("logprob_temperature", 1.0))
+        temps: list[float] | None = None
         for start, length, ancestor_id in spans:
             anc = self._items[ancestor_id]
             loss_mask[start : start + length] = [1] * length
             logprobs[start : start + length] = anc.output_logprobs
             versions[start : start + length] = anc.output_versions
+            t_anc = float(anc.extra.get("logprob_temperature", 1.0))
+            if t_anc != t_end and temps is None:
+                temps = [t_end] * (n_prompt + n_out)
+            if temps is not None:
+                temps[start : start + length] = [t_anc] * length
         return {
             "input_ids": [*it.prompt_ids, *it.output_ids],
             "loss_mask": loss_mask,
             "logprobs": [float(x) for x in logprobs],
             "versions": [int(v) for v in versions],
             "reward": float(reward),
+            # The temperature the logprobs were taken at (proxy.sampling): the trainer
+            # recomputes at the same one. A list (per token) when the row's turns differ.
+            "temperature": temps if temps is not None else t_end,
         }

@@ -98,6 +98,7 @@ class OpenAIProxyClient:
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         max_retries: int = 3,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith(routes.OPENAI_PREFIX):
@@ -108,6 +109,8 @@ class OpenAIProxyClient:
         self.task_id = task_id
         self.group_id = group_id
         self.metadata = metadata
+        self.sampling = sampling
+        """The session's own sampling parameters (e.g. ``{"greedy": True}`` for evaluation)."""
         self.max_retries = max_retries
         self.session_id: str | None = None
         self.api_key: str | None = None
@@ -139,6 +142,8 @@ class OpenAIProxyClient:
             body["group_id"] = self.group_id
         if self.metadata:
             body["metadata"] = self.metadata
+        if self.sampling:
+            body["sampling"] = self.sampling
         data = await _post(
             self.http, self.base_url + routes.START_SESSION, self._admin_key, body, self.max_retries
         )

@@ -34,6 +34,7 @@ from areal_env.proxy.protocols.common import (
 )
 from areal_env.proxy.protocols.errors import ProxyError, bad_request
 from areal_env.proxy.render import ChatRenderer, RenderError
+from areal_env.proxy.sampling import Sampling, resolve_sampling
 from areal_env.proxy.sessions import Session, SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Prepared:
     prompt_ids: list[int]
     parent: Interaction | None
     gconfig: GenerationConfig
+    sampling: Sampling
     interaction_id: str
     protocol: str
     started: float
@@ -66,11 +68,16 @@ class ProxyState:
         model_name: str | None = None,
         renderer: ChatRenderer | None = None,
         max_context_len: int | None = None,
+        train_gconfig: GenerationConfig | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
         self.engine = engine
         self.tokenizer = tokenizer
-        self.renderer = renderer or ChatRenderer(tokenizer, self.config.tool_parser)
+        self.train_gconfig = train_gconfig
+        """The trainer's sampling parameters (``proxy.sampling: trainer``); None: the agent's."""
+        self.renderer = renderer or ChatRenderer(
+            tokenizer, self.config.tool_parser, worked_example=self.config.worked_example
+        )
         self.model_name = (
             model_name or self.config.model_name or str(engine.model_path or "default")
         )
@@ -155,20 +162,32 @@ class ProxyState:
                 f"session would exceed its maximum of {cache.max_tokens} tokens",
                 code="session_limit",
             )
-        max_new = creq.max_tokens or self.config.default_max_tokens
-        max_new = max(1, min(max_new, self.max_context_len - n_prompt))
-        temperature = 1.0 if creq.temperature is None else creq.temperature
-        top_p = 1.0 if creq.top_p is None else creq.top_p
+        sampling = resolve_sampling(
+            self.config.sampling,
+            self.train_gconfig,
+            session.sampling,
+            temperature=creq.temperature,
+            top_p=creq.top_p,
+            top_k=creq.top_k,
+            max_tokens=creq.max_tokens,
+            default_max_tokens=self.config.default_max_tokens,
+        )
+        max_new = max(1, min(sampling.max_new_tokens, self.max_context_len - n_prompt))
         try:
             gconfig = GenerationConfig(
                 max_new_tokens=max_new,
-                temperature=temperature,
-                top_p=top_p if top_p > 0 else 1.0,
-                top_k=creq.top_k or 0,
-                greedy=temperature == 0 or top_p == 0,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                greedy=sampling.greedy,
                 stop=creq.stop,
                 stop_token_ids=list(self.renderer.stop_token_ids),
                 seed=creq.seed,
+                prefix_choices=(
+                    self.renderer.required_call_choices(creq.tools, creq.tool_choice)
+                    if self.config.constrain_required and creq.parse_tools
+                    else None
+                ),
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -178,6 +197,7 @@ class ProxyState:
             prompt_ids=prompt_ids,
             parent=parent,
             gconfig=gconfig,
+            sampling=sampling,
             interaction_id=f"{id_prefix}{secrets.token_hex(16)}",
             protocol=protocol,
             started=time.perf_counter(),
@@ -234,6 +254,17 @@ class ProxyState:
                 "tool_parse_error": parsed.tool_parse_error,
                 "tool_call_recovery": parsed.tool_call_recovery,
                 "latency": time.perf_counter() - prep.started,
+                "sampling": {
+                    **prep.sampling.as_dict(),
+                    "mode": self.config.sampling,
+                    "requested": {
+                        "temperature": creq.temperature,
+                        "top_p": creq.top_p,
+                        "top_k": creq.top_k,
+                        "max_tokens": creq.max_tokens,
+                    },
+                },
+                "logprob_temperature": prep.sampling.logprob_temperature,
             },
         )
         try:

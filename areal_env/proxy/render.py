@@ -438,6 +438,18 @@ class ChatRenderer:
             return self._format.prefill(None)
         return ""
 
+    def required_call_choices(self, tools: Any, tool_choice: Any) -> list[list[int]] | None:
+        """For ``tool_choice: required``: the token sequences the output may start with (after
+        the prefill), one per offered tool — its name and the start of its arguments — so that
+        the call names an offered tool, as OpenAI's API and vLLM/SGLang's guided decoding
+        guarantee. None for other choices, or a format without an open name slot."""
+        if tool_choice != "required":
+            return None
+        offered = self._offered_tools(tools, tool_choice)
+        starts = self._format.required_call_starts(offered) if offered else []
+        choices = [self._encode(t) for t in starts]
+        return [c for c in choices if c] or None
+
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None
     ) -> list[int]:

@@ -79,6 +79,7 @@ class ProxyServer:
         model_name: str | None = None,
         renderer: Any = None,
         freeze_gc: bool = True,
+        train_gconfig: Any = None,
     ) -> None:
         self.freeze_gc = freeze_gc
         self.config = config or ProxyConfig()
@@ -94,6 +95,7 @@ class ProxyServer:
             admin_key=self.admin_key,
             model_name=model_name,
             renderer=renderer,
+            train_gconfig=train_gconfig,
         )
         self.app = create_app(self.state)
         self._runner = ServerThread(

@@ -70,6 +70,8 @@ class Session:
     task_id: str | None = None
     group_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] | None = None
+    """This session's own sampling parameters (e.g. greedy for evaluation); see proxy.sampling."""
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     ended: bool = False

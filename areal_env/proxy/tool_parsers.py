@@ -146,6 +146,12 @@ class ToolParser:
         """Text that starts a call (``name`` forced or any): prefilled for required/named."""
         return ""
 
+    def required_call_starts(self, tools: list[dict[str, Any]]) -> list[str]:
+        """Texts that may follow ``prefill(None)`` under ``tool_choice: required``: an offered
+        tool's name and the start of its arguments (up to the first property's value). Empty
+        when this family has no open name slot to constrain."""
+        return []
+
     def instructions(self, tools: list[dict[str, Any]], tool_choice: Any = None) -> str:
         """System-prompt text that offers ``tools`` and teaches this family's call format."""
         specs = function_specs(tools)
@@ -235,6 +241,18 @@ class HermesParser(ToolParser):
         if name:
             return f'<tool_call>[{{"name": {json.dumps(name)}, "arguments":'
         return '<tool_call>[{"name": "'
+
+    def required_call_starts(self, tools: list[dict[str, Any]]) -> list[str]:
+        out = []
+        for fn in function_specs(tools):
+            name = json.dumps(fn["name"], ensure_ascii=False)[1:-1]
+            params = fn.get("parameters") or {}
+            props = list((params.get("properties") or {}).keys())
+            first = next((n for n in params.get("required") or [] if n in props), None)
+            first = first or (props[0] if props else None)
+            args = "{" + (json.dumps(first, ensure_ascii=False) + ": " if first else "")
+            out.append(f'{name}", "arguments": {args}')
+        return out
 
 
 class QwenParser(HermesParser):

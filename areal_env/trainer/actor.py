@@ -196,18 +196,25 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     *,
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the tokens selected by ``mask`` [B, L], flattened in row-major
-    order, under ``softmax(logits / temperature)`` — the distribution the sampler drew from."""
+    order, under ``softmax(logits / temperature)`` — the distribution the sampler drew from.
+
+    ``temperature``: one number, or a [B, L] tensor giving each token's own (the temperature
+    its logprob was recorded at; ``proxy.sampling: agent`` lets it differ per row)."""
     sel_next = mask[:, 1:]  # position p predicts token p+1
     targets = input_ids[:, 1:][sel_next]
     logits = scored_logits(model, input_ids, attention_mask, sel_next)
     logits = logits.float()
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):
+        temps = temperature.to(logits.device)[:, 1:][sel_next].float()
+        if bool((temps != 1.0).any()):
+            logits = logits / temps.clamp_min(1e-6).unsqueeze(-1)
+    elif temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -242,6 +249,7 @@ class PreparedBatch:
     old_logp: torch.Tensor  # [B, L]  (behaviour or proximal)
     ref_logp: torch.Tensor | None
     stats: dict[str, float]
+    temps: torch.Tensor | float = 1.0  # [B, L] per-token sampling temperatures, or one value
 
 
 # ------------------------------------------------------------------------------------------
@@ -310,6 +318,7 @@ class PPOActor:
                 weight_decay=actor.weight_decay,
             )
         self.update_count = 0
+        self._warned_temp = False
 
     def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
@@ -356,6 +365,7 @@ class PPOActor:
         attn = batch["attention_mask"].to(self.device).bool()
         mask = scored_mask(batch).to(self.device)
         lengths = _row_lengths(attn)
+        temps = self.row_temperatures(batch)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)
         rows = list(range(len(lengths)))
         if self.dist.distributed:
@@ -375,12 +385,12 @@ class PPOActor:
             m = mask[idx, :width]
             if not m.any() and not self.dist.distributed:
                 continue
-            if tree:
-                lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb)
-            else:
-                lp, _ = token_logprobs(
-                    model, input_ids[idx, :width], attn[idx, :width], m, self.temperature
-                )
+            t_one = _single_temperature(temps, mb, mask, self.temperature)
+            if tree and t_one is not None:
+                lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb, temperature=t_one)
+            else:  # flat, or a tree group whose rows were sampled at different temperatures
+                t = temps[idx.cpu(), :width] if isinstance(temps, torch.Tensor) else temps
+                lp, _ = token_logprobs(model, input_ids[idx, :width], attn[idx, :width], m, t)
             sub = torch.zeros(m.shape, dtype=torch.float32, device=self.device)
             sub[m] = lp.float()
             out[idx, :width] = sub
@@ -419,6 +429,7 @@ class PPOActor:
         lengths: list[int],
         rows: list[int],
         *,
+        temperature: float | None = None,
         with_entropy: bool = False,
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -429,11 +440,35 @@ class PPOActor:
             tree,
             [mask[r, : lengths[r]] for r in rows],
             seqs,
-            self.temperature,
+            self.temperature if temperature is None else temperature,
             plain_head=type(model).__name__ in _PLAIN_HEAD_MODELS,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
         )
+
+    def row_temperatures(self, batch: dict[str, Any]) -> torch.Tensor | float:
+        """The temperature to recompute each token's logprob at.
+
+        Rows exported by the proxy say what their logprobs were sampled at (``temperatures``,
+        [B, L]; see ``proxy.sampling``): recomputing at any other temperature would give a wrong
+        PPO ratio, so the rows win. Rows without it use ``actor.temperature`` (default:
+        ``gconfig.temperature``).
+        """
+        temps = batch.get("temperatures")
+        if not isinstance(temps, torch.Tensor):
+            return self.temperature
+        temps = temps.float().cpu()
+        mask = scored_mask(batch)
+        scored = temps[mask.bool()] if mask.any() else temps.flatten()[:0]
+        if scored.numel() and bool((scored != self.temperature).any()) and not self._warned_temp:
+            self._warned_temp = True
+            logger.warning(
+                "some rows were sampled at temperature(s) %s, not the trainer's %s: their "
+                "logprobs are recomputed at their own temperature (proxy.sampling=agent)",
+                sorted({round(float(x), 4) for x in scored.unique()[:8]}),
+                self.temperature,
+            )
+        return temps
 
     # -- preparation ------------------------------------------------------------------------
 
@@ -480,6 +515,7 @@ class PPOActor:
             old_logp=old,
             ref_logp=ref,
             stats=stats,
+            temps=self.row_temperatures(batch),
         )
 
     # -- update -----------------------------------------------------------------------------
@@ -632,13 +668,15 @@ class PPOActor:
             )
             return logp.sum() * 0.0, {}
         dev = self.device
-        if tree:
+        t_one = _single_temperature(pb.temps, rows, pb.mask, self.temperature)
+        if tree and t_one is not None:
             logp, ent = self._tree_logprobs(
                 self.model,
                 pb.input_ids,
                 pb.mask,
                 pb.lengths,
                 rows,
+                temperature=t_one,
                 with_entropy=True,
                 entropy_grad=a.entropy_coef != 0,
             )
@@ -648,7 +686,7 @@ class PPOActor:
                 pb.input_ids[idx, :width].to(dev),
                 pb.attention_mask[idx, :width].to(dev),
                 m.to(dev),
-                self.temperature,
+                pb.temps[idx, :width] if isinstance(pb.temps, torch.Tensor) else pb.temps,
                 with_entropy=True,
                 entropy_grad=a.entropy_coef != 0,
             )
@@ -776,6 +814,21 @@ def merged_lora_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tens
     from areal_env.engine.lora import merge_lora_weights
 
     return merge_lora_weights(full, model.peft_config["default"])
+
+
+def _single_temperature(
+    temps: torch.Tensor | float, rows: list[int], mask: torch.Tensor, default: float
+) -> float | None:
+    """The one temperature the scored tokens of ``rows`` were sampled at (tree packing takes a
+    single one), ``default`` when none is scored, or None when they differ."""
+    if not isinstance(temps, torch.Tensor):
+        return float(temps)
+    idx = torch.tensor(rows)
+    scored = temps[idx][mask[idx].bool().cpu()] if len(rows) else temps.flatten()[:0]
+    if scored.numel() == 0:
+        return default
+    first = float(scored[0])
+    return first if bool((scored == first).all()) else None
 
 
 def _row_lengths(attn: torch.Tensor) -> list[int]:

@@ -49,6 +49,13 @@ from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.data import DataLoader, load_items
 from areal_env.trainer.dist import SINGLE
+from areal_env.trainer.eval import (
+    Evaluator,
+    paired_p_value,
+    read_eval_log,
+    read_eval_summary,
+    truncate_eval_log,
+)
 from areal_env.trainer.feed import DatasetSource
 from areal_env.trainer.stats import (
     MetricsLogger,
@@ -108,7 +115,7 @@ class PPOTrainer:
         self.actor: PPOActor | None = None
         self.tokenizer: Any = None
         self.source: BatchSource | None = source
-        self.eval_executor: RolloutExecutor | None = None
+        self.evaluator: Evaluator | None = None
         self.metrics: MetricsLogger | None = None
         self.step = 0
         self.version = 0
@@ -218,6 +225,9 @@ class PPOTrainer:
             self.run_dir,
         )
         try:
+            if self.evaluator is not None and self.config.trainer.eval_before_training:
+                if self.step == 0:
+                    await self._run_evaluation()
             while total is None or self.step < total:
                 t_step = time.perf_counter()
                 memory.reset_peak()
@@ -235,15 +245,15 @@ class PPOTrainer:
                 self.step += 1
                 if isinstance(source, DatasetSource):
                     self._data_state = source.data_state
-                metrics.update(await self.evaluate())
+                metrics.update(await self.evaluate(total))
                 self._log(metrics, t_step, progress)
                 await self._checkpoint(total)
         finally:
             progress.close()
             self._command({"op": "stop"})
             await source.aclose()
-            if self.eval_executor is not None:
-                await self.eval_executor.aclose()
+            if self.evaluator is not None:
+                await self.evaluator.aclose()
         return self._final_metrics()
 
     # -- the steps ----------------------------------------------------------------------------
@@ -271,11 +281,13 @@ class PPOTrainer:
             self.version = self._engine.get_version()
         self.metrics.truncate_after(self.step if restored else 0)
         self._drop_stale_dumps(self.version - 1 if restored else -1)
+        truncate_eval_log(self.run_dir, self.step if restored else -1)
         self.saved_step = self.step
         if self.source is None:
             self.source = await self._dataset_source(wf_spec, wf_kwargs)
-        if eval_workflow is not None and self.valid_items:
-            self.eval_executor = self._executor(eval_workflow, wf_kwargs, progress=False)
+        if self.valid_items and not self.external:
+            spec = eval_workflow if eval_workflow is not None else wf_spec
+            self.evaluator = self._make_evaluator(spec, wf_kwargs)
         self.source.set_version(self.version)
         return self.source
 
@@ -325,19 +337,38 @@ class PPOTrainer:
         except OSError as e:  # a full disk must not stop training
             logger.warning("trajectory dump failed: %s", e)
 
-    async def evaluate(self) -> dict[str, float]:
-        """Step 5: held-out evaluation every ``trainer.eval_freq_steps`` (``eval/*`` metrics)."""
+    async def evaluate(self, total: int | None = None) -> dict[str, float]:
+        """Step 5: held-out evaluation (greedy, ``is_eval``) every ``trainer.eval_freq_steps``
+        and after the last step; ``eval/*`` metrics (see ``areal_env.trainer.eval``)."""
         freq = self.config.trainer.eval_freq_steps
-        if self.eval_executor is None or not freq or self.step % freq:
+        if self.evaluator is None:
             return {}
-        items = [
-            it
-            if any(it.get(k) is not None for k in ("id", "task_id", "query_id"))
-            else {**it, "task_id": f"valid-{i}"}
-            for i, it in enumerate(self.valid_items or [])
-        ]
-        _, stats = await self.eval_executor.rollout_batch(items, trainer_version=self.version)
-        return {f"eval/{k}": v for k, v in stats.items() if isinstance(v, int | float)}
+        if not (self.step == total or (freq and self.step % freq == 0)):
+            return {}
+        return await self._run_evaluation()
+
+    async def _run_evaluation(self) -> dict[str, float]:
+        assert self.evaluator is not None
+        result = await self.evaluator.evaluate(version=self.version, step=self.step)
+        return {f"eval/{k}": v for k, v in result.metrics.items()}
+
+    def _make_evaluator(self, spec: Any, wf_kwargs: dict[str, Any]) -> Evaluator:
+        """An evaluator of ``spec`` on the held-out items: one greedy episode per item."""
+        assert self.proxy is not None
+        cfg = self.config
+        rollout = dataclasses.replace(cfg.rollout, n_samples=1)
+        proxy = {"proxy_base_url": self.proxy.base_url, "admin_key": self.proxy.admin_key}
+        workflow = resolve_workflow(spec, wf_kwargs, rollout=rollout, **proxy)
+        return Evaluator(
+            self._engine,
+            workflow,
+            list(self.valid_items or []),
+            rollout,
+            self.run_dir,
+            success_reward=cfg.trainer.eval_success_reward,
+            show_progress=cfg.trainer.progress,
+            **proxy,
+        )
 
     def _log(self, metrics: dict[str, Any], t_step: float, progress: Progress) -> None:
         """Step 6: metrics (JSONL, TensorBoard), progress line and reward plot."""
@@ -359,7 +390,11 @@ class PPOTrainer:
         self.metrics.log(self.step, metrics)
         self.last_metrics = {"step": self.step, **metrics}
         progress.update(self.step, metrics)
-        plot_reward_curve(self.metrics.read(), self.run_dir / "reward_curve.png")
+        plot_reward_curve(
+            self.metrics.read(),
+            self.run_dir / "reward_curve.png",
+            evals=read_eval_log(self.run_dir),
+        )
 
     async def _checkpoint(self, total: int | None) -> None:
         """Step 7: a checkpoint every ``trainer.save_freq_steps`` and at the last step."""
@@ -379,8 +414,15 @@ class PPOTrainer:
     def _final_metrics(self) -> dict[str, Any]:
         assert self.metrics is not None
         records = self.metrics.read()
-        plot = plot_reward_curve(records, self.run_dir / "reward_curve.png")
+        evals = read_eval_log(self.run_dir)
+        plot = plot_reward_curve(records, self.run_dir / "reward_curve.png", evals=evals)
         final = dict(self.last_metrics)
+        if evals:
+            final["eval/first"], final["eval/last"] = evals[0], evals[-1]
+            before = read_eval_summary(self.run_dir, int(evals[0]["version"]))
+            after = read_eval_summary(self.run_dir, int(evals[-1]["version"]))
+            if before is not None and after is not None and len(evals) > 1:
+                final["eval/p_value"] = paired_p_value(before.outcomes, after.outcomes)
         rewards = [r["reward/mean"] for r in records if r.get("reward/mean") is not None]
         if rewards:
             k = max(1, min(3, len(rewards) // 2))
@@ -392,6 +434,7 @@ class PPOTrainer:
                 "metrics_file": str(self.metrics.path),
                 "reward_plot": str(plot) if plot else None,
                 "dump_dir": str(self.run_dir / "rollout"),
+                "eval_dir": str(self.run_dir / "eval-rollout") if evals else None,
                 "checkpoint": str(ckpt.latest_checkpoint(self.ckpt_root) or ""),
             }
         )
@@ -570,7 +613,9 @@ class PPOTrainer:
         if pcfg.initial_capacity is None:
             # Sessions start only when the executor grants them (its staleness control).
             pcfg = dataclasses.replace(pcfg, initial_capacity=0)
-        self.proxy = ProxyServer(self._engine, self.tokenizer, pcfg).start()
+        self.proxy = ProxyServer(
+            self._engine, self.tokenizer, pcfg, train_gconfig=self.config.gconfig
+        ).start()
         logger.info("proxy listening at %s", self.proxy.base_url)
 
     def _push_weights(self, new_version: int) -> None:

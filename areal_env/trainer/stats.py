@@ -4,7 +4,9 @@ trajectory dumps.
 Files under ``run_dir`` (= ``fileroot/experiment/trial``):
 - ``metrics.jsonl``: one JSON object per training step (keys documented in docs/training.md);
 - ``tensorboard/``: the same scalars, when ``trainer.tensorboard`` is on;
-- ``reward_curve.png``: reward mean (± std band) per step, refreshed every step;
+- ``reward_curve.png``: reward mean (± std band) per step, refreshed every step, and beside it
+  the held-out eval curve when there is a ``valid_dataset`` (``eval.jsonl``, see
+  ``areal_env.trainer.eval``);
 - ``rollout/{version}/{task_id}.jsonl``: one line per completion of the episodes of that item
   that ran on weights ``version`` (``rollout.dump_to_file``).
 """
@@ -108,14 +110,22 @@ class Progress:
             self._bar.close()
 
 
-def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path | None:
-    """Reward mean (± std) per step to a PNG (matplotlib, Agg backend). None if no rewards."""
+def plot_reward_curve(
+    records: list[dict[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    evals: list[dict[str, Any]] | None = None,
+) -> Path | None:
+    """Reward mean (± std) per step to a PNG (matplotlib, Agg backend); with ``evals`` (the
+    rows of ``eval.jsonl``) a second panel beside it shows the held-out greedy success rate with
+    its 95% interval per evaluation. None if there is nothing to draw."""
     pts = [
         (r["step"], r["reward/mean"], r.get("reward/std") or 0.0)
         for r in records
         if r.get("reward/mean") is not None
     ]
-    if not pts:
+    evs = [e for e in evals or [] if e.get("success_rate") is not None]
+    if not pts and not evs:
         return None
     import matplotlib
 
@@ -123,23 +133,43 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str | os.PathLike[str
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    steps = [p[0] for p in pts]
-    mean = [p[1] for p in pts]
-    std = [p[2] for p in pts]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, mean, marker="o", label="reward mean")
-    ax.fill_between(
-        steps,
-        [m - s for m, s in zip(mean, std, strict=True)],
-        [m + s for m, s in zip(mean, std, strict=True)],
-        alpha=0.2,
-    )
+    if evs:
+        fig, (ax, ax_eval) = plt.subplots(1, 2, figsize=(12, 4))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax_eval = None
+    if pts:
+        steps = [p[0] for p in pts]
+        mean = [p[1] for p in pts]
+        std = [p[2] for p in pts]
+        ax.plot(steps, mean, marker="o", label="reward mean")
+        ax.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, std, strict=True)],
+            [m + s for m, s in zip(mean, std, strict=True)],
+            alpha=0.2,
+        )
+        ax.legend(loc="best")
     ax.set_xlabel("training step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("reward")
-    ax.set_title("reward per training step (mean ± std over the batch)")
+    ax.set_title("training reward per step (mean ± std over the batch)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    if ax_eval is not None:
+        xs = [e["step"] for e in evs]
+        ys = [100 * e["success_rate"] for e in evs]
+        lo = [100 * e.get("success_ci_low", e["success_rate"]) for e in evs]
+        hi = [100 * e.get("success_ci_high", e["success_rate"]) for e in evs]
+        ax_eval.plot(xs, ys, marker="s", color="tab:green", label="held-out success (greedy)")
+        ax_eval.fill_between(xs, lo, hi, alpha=0.2, color="tab:green", label="95% CI")
+        n = int(evs[-1].get("n", 0))
+        ax_eval.set_title(f"held-out evaluation ({n} problems)")
+        ax_eval.set_xlabel("training step")
+        ax_eval.set_ylabel("success rate (%)")
+        ax_eval.set_ylim(0, 100)
+        ax_eval.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax_eval.grid(alpha=0.3)
+        ax_eval.legend(loc="best")
     fig.tight_layout()
     out = Path(path)
     tmp = out.with_name(out.stem + ".tmp.png")

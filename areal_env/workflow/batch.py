@@ -22,7 +22,8 @@ ROW_KEYS = ("rewards", "group_ids", "traj_ids")
 def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
     """A right-padded batch: ``input_ids`` int64 [B, L], ``attention_mask`` bool, ``loss_mask``
     int32, ``logprobs`` float32, ``versions`` int32, and ``rewards`` float32, ``group_ids`` /
-    ``traj_ids`` int64 [B]. ``ValueError`` for no rows."""
+    ``traj_ids`` int64 [B], ``temperatures`` float32 [B, L] (each token's sampling temperature).
+    ``ValueError`` for no rows."""
     if not rows:
         raise ValueError("collate needs at least one row")
     b, width = len(rows), max(r.num_tokens for r in rows)
@@ -35,6 +36,8 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([r.reward for r in rows], dtype=torch.float32),
         "group_ids": torch.tensor([r.group_id for r in rows], dtype=torch.int64),
         "traj_ids": torch.tensor([r.traj_id for r in rows], dtype=torch.int64),
+        # the temperature each token's logprob was taken at (proxy.sampling); 1.0 on padding
+        "temperatures": torch.ones(b, width, dtype=torch.float32),
     }
     for i, r in enumerate(rows):
         n = r.num_tokens
@@ -43,6 +46,10 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
         out["loss_mask"][i, :n] = torch.as_tensor(r.loss_mask, dtype=torch.int32)
         out["logprobs"][i, :n] = torch.as_tensor(r.logprobs, dtype=torch.float32)
         out["versions"][i, :n] = torch.as_tensor(r.versions, dtype=torch.int32)
+        if isinstance(r.temperature, list):
+            out["temperatures"][i, :n] = torch.as_tensor(r.temperature, dtype=torch.float32)
+        else:
+            out["temperatures"][i, :n] = float(r.temperature)
     return out
 
 
@@ -76,6 +83,7 @@ def rows_of_tensor_dict(td: Mapping[str, Any]) -> list[TrainingRow]:
                 versions=td["versions"][i, :n].tolist(),
                 reward=float(rewards[i]) if rewards is not None else 0.0,
                 traj_id=int(traj[i]) if traj is not None else 0,
+                temperature=_row_temperature(td.get("temperatures"), i, n),
             )
         )
     return rows
@@ -128,3 +136,11 @@ def trajectory_rewards(td: Mapping[str, torch.Tensor]) -> dict[int, float]:
     for t in torch.unique(traj).tolist():
         out[int(t)] = float(rewards[traj == t].mean())
     return out
+
+
+def _row_temperature(temps: Any, i: int, n: int) -> float | list[float]:
+    """Row ``i``'s temperatures from a padded ``temperatures`` tensor (one value if uniform)."""
+    if temps is None:
+        return 1.0
+    values = [float(x) for x in temps[i, :n].tolist()]
+    return values[0] if values and all(v == values[0] for v in values) else values

@@ -209,6 +209,11 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
     """
 
     sessions_per_episode = 1
+    #: Set by the evaluator: episodes are greedy (the session's sampling) and the agent gets
+    #: ``is_eval=True`` (it may e.g. skip exploration); nothing of them is trained on.
+    eval_mode = False
+    #: The proxy session's sampling parameters in eval mode.
+    EVAL_SAMPLING: dict[str, Any] = {"greedy": True, "temperature": 0.0}
 
     def __init__(
         self,
@@ -292,7 +297,11 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                 "ANTHROPIC_BASE_URL": self.proxy_base_url,
                 "ANTHROPIC_API_KEY": session.api_key,
             }
-            extra = {"base_url": f"{self.proxy_base_url}/v1", "api_key": session.api_key}
+            extra = {
+                "base_url": f"{self.proxy_base_url}/v1",
+                "api_key": session.api_key,
+                "is_eval": self.eval_mode,
+            }
             return await self._subproc_pool().run(
                 data, env=env, extra=extra, timeout=self.rollout.episode_timeout
             )
@@ -302,6 +311,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                 "base_url": f"{self.proxy_base_url}/v1",
                 "api_key": session.api_key,
                 "http_client": self._http_client(),
+                "is_eval": self.eval_mode,
             },
         )
         return await asyncio.wait_for(
@@ -339,6 +349,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             http_client=self._http_client(),
             task_id=rec.task_id,
             group_id=rec.group_id,
+            sampling=dict(self.EVAL_SAMPLING) if self.eval_mode else None,
         ) as session:
             rec.session_id = session.session_id
             try:

@@ -2,8 +2,8 @@
 
 Served by the aenvironment server (``python -m aenv.main examples/aenv/env_tools.py --host
 127.0.0.50 --port 8081``). The tools are stateless, so one server can serve many concurrent
-episodes. The reward checks the final number in the agent's answer against the expected one,
-with a little partial credit for a correct tool call so that a weak model gets a learning signal.
+episodes. The problems (``make_dataset.py``) mix the four operations and need one to three
+calls; the reward pays only for a right answer given in plain text (see ``reward``).
 """
 
 from __future__ import annotations
@@ -48,12 +48,24 @@ def divide(a: float, b: float) -> str:
     return _fmt(a / b)
 
 
+_MARKUP = re.compile(r"</?\s*tool_(?:call|response)|<\|im_(?:start|end)\|>")
+
+
 def last_number(text: str | None) -> float | None:
     """The last number written in ``text`` (how the final answer is read), or None."""
     if not text:
         return None
     found = _NUMBER.findall(text.replace(",", ""))
     return float(found[-1]) if found else None
+
+
+def plain_answer(text: str | None) -> bool:
+    """Whether ``text`` is a plain-text answer: no tool-call or tool-result markup in it.
+
+    A model that copies ``<tool_response>\\nN\\n</tool_response>`` (or writes a call it never
+    makes) has not answered; such text does not pay, even when N is right.
+    """
+    return bool(text and text.strip()) and _MARKUP.search(text) is None
 
 
 @register_reward
@@ -63,31 +75,34 @@ def reward(
     tool_calls: list | None = None,
     **_: Any,
 ) -> dict:
-    """Graded so that a weak model gets a signal at every step towards the right answer.
+    """1.0 for a right plain answer, else 0.0: only right answers pay.
 
-    1.0: the last number in the final answer is the expected answer;
-    0.5: not that, but a tool call returned the expected answer (right tool, right arguments);
-    0.1: not that, but at least one tool call succeeded (a well-formed call);
-    0.0: otherwise.
+    The final answer is the agent's last reply (a reply without tool calls). It pays when it is
+    plain text (no tool markup, see ``plain_answer``) and every number in it is the expected
+    answer ("1509", "The total is 1509.").
+    Tool calls earn nothing by themselves: a right tool result that the agent does not turn into
+    an answer, a number of the wrong operation, or a copied tool response all score 0.
 
     ``task`` is the dataset item (it carries ``answer``); ``tool_calls`` lists the agent's calls
-    as ``{"name", "arguments", "is_error", "result"}``.
+    as ``{"name", "arguments", "is_error", "result"}`` (reported, not scored).
     """
     task = task or {}
     expected = float(task.get("answer", "nan"))
     calls = [c for c in (tool_calls or []) if isinstance(c, dict)]
     ok_calls = [c for c in calls if not c.get("is_error", False)]
-
-    def matches(value: float | None) -> bool:
-        return value is not None and math.isclose(value, expected, rel_tol=1e-6, abs_tol=1e-6)
-
-    got = last_number(final_answer)
-    if matches(got):
-        score = 1.0
-    elif any(matches(last_number(str(c.get("result", "")))) for c in ok_calls):
-        score = 0.5
-    elif ok_calls:
-        score = 0.1
-    else:
-        score = 0.0
-    return {"reward": score, "correct": matches(got), "parsed": got}
+    plain = plain_answer(final_answer)
+    numbers = [float(x) for x in _NUMBER.findall((final_answer or "").replace(",", ""))]
+    got = numbers[-1] if plain and numbers else None
+    # Every number in the answer must be the answer ("The answer is not 698" or "12 + 15 = 27"
+    # is not a plain answer, even when its last number is right).
+    correct = bool(plain and numbers) and all(
+        math.isclose(x, expected, rel_tol=1e-6, abs_tol=1e-6) for x in numbers
+    )
+    return {
+        "reward": 1.0 if correct else 0.0,
+        "correct": correct,
+        "plain": plain,
+        "parsed": got,
+        "tool_calls": len(calls),
+        "ok_tool_calls": len(ok_calls),
+    }

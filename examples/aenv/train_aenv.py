@@ -3,9 +3,10 @@
     .venv/bin/python examples/aenv/train_aenv.py --steps 2
 
 Starts the aenvironment server(s) for ``env_tools.py`` on 127.0.0.N:8081, waits until they
-answer, trains with ``PPOTrainer`` (embedded engine + interception proxy) and stops the servers
-at exit, also on Ctrl-C or errors. Extra ``key=value`` arguments override the config
-(``rollout.n_samples=8``, ``workflow_kwargs.max_turns=2``, ...).
+answer, trains with ``PPOTrainer`` (embedded engine + interception proxy; the held-out split is
+evaluated greedily before the first and after the last step) and stops the servers at exit, also
+on Ctrl-C or errors; then prints the before/after table. Extra ``key=value`` arguments override
+the config (``rollout.n_samples=8``, ``workflow_kwargs.max_turns=2``, ...).
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    metrics = run(argv)
+    report(metrics)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Start the servers, train (evaluating on the held-out split before and after), return the
+    trainer's final metrics plus ``wall_s``."""
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -60,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:
         overrides.append("trainer.recover=off")
     cfg = load_config(ExperimentConfig, args.config, overrides)
-    if cfg.train_dataset and not Path(cfg.train_dataset).exists():
-        for base in (Path(args.config).resolve().parent, ROOT):
-            if (base / cfg.train_dataset).exists():
-                cfg.train_dataset = str(base / cfg.train_dataset)
-                break
+    for key in ("train_dataset", "valid_dataset"):
+        value = getattr(cfg, key)
+        if value and not Path(value).exists():
+            for base in (Path(args.config).resolve().parent, ROOT):
+                if (base / value).exists():
+                    setattr(cfg, key, str(base / value))
+                    break
 
     t0 = time.monotonic()
     # The servers run from the aenvironment SDK in a venv of its own (.venv-aenv, created on
@@ -85,22 +96,39 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("train_aenv").info("environment servers: %s", ", ".join(servers.urls))
         with PPOTrainer(cfg) as trainer:
             metrics = trainer.train(workflow_kwargs=kwargs)
-    elapsed = time.monotonic() - t0
+    metrics["wall_s"] = time.monotonic() - t0
+    return metrics
+
+
+def report(metrics: dict) -> None:
+    """Print where everything is and, with a held-out split, the before/after table."""
+    from areal_env.trainer.eval import format_before_after, read_eval_log, read_eval_summary
+
+    run_dir = metrics.get("run_dir")
     print(
-        f"\ndone in {elapsed / 60:.1f} min ({metrics.get('step')} steps); run folder: {cfg.run_dir}"
+        f"\ndone in {metrics['wall_s'] / 60:.1f} min ({metrics.get('step')} steps); "
+        f"run folder: {run_dir}"
     )
     first, last = metrics.get("reward/first_steps_mean"), metrics.get("reward/last_steps_mean")
     if first is not None and last is not None:
-        print(f"  reward: first steps {first:.3f} -> last steps {last:.3f}")
+        print(f"  training reward: first steps {first:.3f} -> last steps {last:.3f}")
+    evals = read_eval_log(run_dir) if run_dir else []
+    if len(evals) >= 2:
+        before = read_eval_summary(run_dir, int(evals[0]["version"]))
+        after = read_eval_summary(run_dir, int(evals[-1]["version"]))
+        if before is not None and after is not None:
+            print()
+            print(format_before_after(before, after))
+            print()
     for label, key in (
         ("metrics (one JSON line per step)", "metrics_file"),
-        ("reward curve", "reward_plot"),
+        ("reward and eval curves", "reward_plot"),
         ("trajectory dumps", "dump_dir"),
+        ("eval dumps", "eval_dir"),
         ("checkpoint", "checkpoint"),
     ):
         if metrics.get(key):
             print(f"  {label + ':':<34}{metrics[key]}")
-    return 0
 
 
 if __name__ == "__main__":

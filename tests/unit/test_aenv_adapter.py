@@ -129,19 +129,25 @@ async def test_reward_plumbing(aenv_config, counter_server):
             {"final_answer": "The answer is 12.", "task": {"answer": "12"}, "tool_calls": []}
         )
         assert out["correct"] is True and reward_value(out) == 1.0
-        partial = await env.call_reward(
+        # Only right plain answers pay: a right tool result the agent did not answer with, a
+        # valid call alone, or a copied tool response (markup) earn nothing.
+        right_call = {"name": "add", "is_error": False, "result": "12"}
+        out = await env.call_reward(
+            {"final_answer": "13", "task": {"answer": 12}, "tool_calls": [right_call]}
+        )
+        assert reward_value(out) == 0.0 and out["tool_calls"] == 1
+        out = await env.call_reward(
             {
-                "final_answer": "13",
+                "final_answer": "<tool_response>\n12\n</tool_response>",
                 "task": {"answer": 12},
-                "tool_calls": [{"name": "add", "is_error": False, "result": "12"}],
+                "tool_calls": [right_call],
             }
         )
-        assert reward_value(partial) == pytest.approx(0.5)
-        valid_call = {"name": "add", "is_error": False, "result": "11"}
+        assert reward_value(out) == 0.0 and out["plain"] is False
         out = await env.call_reward(
-            {"final_answer": "no idea", "task": {"answer": 12}, "tool_calls": [valid_call]}
+            {"final_answer": "12", "task": {"answer": 12}, "tool_calls": [right_call]}
         )
-        assert reward_value(out) == pytest.approx(0.1)
+        assert reward_value(out) == 1.0
         failed_call = {"name": "add", "is_error": True, "result": "Error: x"}
         out = await env.call_reward(
             {"final_answer": "", "task": {"answer": 12}, "tool_calls": [failed_call]}

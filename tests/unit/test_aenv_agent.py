@@ -165,7 +165,7 @@ async def test_episodes_through_the_real_proxy(proxy_server, aenv_config):
     item = {"question": "What is 17 + 25? Use the add tool.", "answer": 42}
     sid, key = open_session(proxy_server)
     reward = await agent.run(item, base_url=proxy_server.base_url + "/v1", api_key=key)
-    assert isinstance(reward, float) and reward in (0.0, 0.1, 0.5, 1.0)
+    assert isinstance(reward, float) and reward in (0.0, 1.0)
     (ep,) = seen
     exported = await asyncio.to_thread(export_session, proxy_server, sid)
     n_model_calls = sum(1 for m in ep["messages"] if m["role"] == "assistant")
@@ -192,4 +192,4 @@ async def test_env_reward_through_the_real_proxy(proxy_server, aenv_config):
         base_url=proxy_server.base_url + "/v1",
         api_key=key,
     )
-    assert reward in (0.0, 0.1, 0.5, 1.0)
+    assert reward in (0.0, 1.0)

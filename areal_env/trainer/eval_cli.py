@@ -1,0 +1,83 @@
+"""``areal-env eval CONFIG.yaml [--checkpoint DIR] [key=value ...]``: held-out evaluation.
+
+Evaluates a checkpoint (a ``checkpoints/step_N`` folder, a run folder, or any HF model folder)
+or, without ``--checkpoint``, the config's base model, greedily on ``valid_dataset`` (or
+``--dataset``), with the config's agent, and prints success rate (95% CI), mean reward, valid
+tool-call rate, mean turns and tokens. ``--env-tools FILE`` starts aenvironment servers for that
+tools file first (as ``examples/aenv`` needs) and points ``workflow_kwargs.aenv_config`` at them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="areal-env eval", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="YAML file with an ExperimentConfig")
+    ap.add_argument("--checkpoint", default=None, help="checkpoint/run/HF folder (default: base)")
+    ap.add_argument("--dataset", default=None, help="JSONL to evaluate on (default: valid_dataset)")
+    ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N items")
+    ap.add_argument("--out", default=None, help="output folder (default: run_dir/eval-<label>)")
+    ap.add_argument("--env-tools", default=None, help="start aenvironment servers for this file")
+    ap.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_threads=1")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"areal-env eval: {e}", file=sys.stderr)
+        return 2
+    from areal_env.trainer.cli import resolve_paths
+    from areal_env.trainer.data import load_items
+    from areal_env.trainer.eval import arun_evaluation, format_result
+
+    cfg = resolve_paths(cfg, Path(args.config))
+    dataset = args.dataset or cfg.valid_dataset
+    if not dataset:
+        print(
+            "areal-env eval: no held-out data: set valid_dataset in the config or pass --dataset",
+            file=sys.stderr,
+        )
+        return 2
+    items = list(load_items(dataset))[: args.limit]
+    kwargs = dict(cfg.workflow_kwargs)
+    with contextlib.ExitStack() as stack:
+        if args.env_tools:
+            from areal_env.infra.aenv.launcher import AenvServerLauncher
+
+            servers = stack.enter_context(
+                AenvServerLauncher(args.env_tools, log_dir=cfg.run_dir / "aenv-logs")
+            )
+            aenv = dict(kwargs.get("aenv_config") or {})
+            aenv["aenv_url"] = servers.urls[0]
+            kwargs["aenv_config"] = aenv
+        try:
+            result = asyncio.run(
+                arun_evaluation(
+                    cfg,
+                    items,
+                    checkpoint=args.checkpoint,
+                    workflow_kwargs=kwargs,
+                    out_dir=args.out,
+                )
+            )
+        except FileNotFoundError as e:
+            print(f"areal-env eval: {e}", file=sys.stderr)
+            return 2
+    out = args.out or "run_dir"
+    print(format_result(result, args.out))
+    if args.json:
+        print(json.dumps({"version": result.version, **result.metrics, "out": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""``tool_choice: required`` names an offered tool: constrained start of the call.
+
+The engine part (``GenerationConfig.prefix_choices``) is checked on the real model: outputs start
+with one of the choices, greedy and sampled, and the reported logprobs are those of the
+unrestricted distribution (what the trainer recomputes). The proxy part is checked through the
+OpenAI SDK: with ``required`` every call names an offered tool with its first argument key.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import openai
+import torch
+
+from areal_env.api.config import ProxyConfig
+from areal_env.api.io import GenerationConfig, ModelRequest
+from areal_env.engine._sampling import RowSampling, sample_rows
+from areal_env.proxy.server import ProxyServer
+from tests.fixtures.proxy import export_session, open_session
+
+
+def _tool(name: str, desc: str) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"],
+            },
+        },
+    }
+
+
+TOOLS = [_tool("plus", "Sum of x and y."), _tool("times", "Product of x and y.")]
+
+
+def test_sample_rows_respects_allowed_and_reports_unrestricted_logprobs():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rows = [
+        RowSampling(False, 1.0, 0, 1.0, random.Random(1)),
+        RowSampling(True, 1.0, 0, 1.0, None),
+        RowSampling(False, 0.5, 0, 1.0, random.Random(2)),
+    ]
+    allowed = [[7, 9], [3], None]
+    full = torch.log_softmax(logits, dim=-1)
+    for _ in range(20):
+        tokens, logps = sample_rows(logits, rows, allowed)
+        assert tokens[0] in (7, 9) and tokens[1] == 3
+        assert abs(logps[0] - full[0, tokens[0]]) < 1e-5
+        assert abs(logps[1] - full[1, 3]) < 1e-5
+        scaled = torch.log_softmax(logits[2] / 0.5, dim=-1)
+        assert abs(logps[2] - scaled[tokens[2]]) < 1e-5
+
+
+def test_row_sampling_allowed_walks_the_choices():
+    r = RowSampling(True, 1.0, 0, 1.0, None, choices=[[1, 2, 3], [1, 4]])
+    assert r.allowed([]) == [1]
+    assert r.allowed([1]) == [2, 4]
+    assert r.allowed([1, 4]) is None  # complete: free from here on
+    assert r.choices is None
+
+
+async def test_engine_output_starts_with_a_choice(engine, tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    choices = [tokenizer.encode(w, add_special_tokens=False) for w in ("zebra crossing", "quux")]
+    for i, g in enumerate(
+        [
+            GenerationConfig(max_new_tokens=6, greedy=True, prefix_choices=choices),
+            GenerationConfig(max_new_tokens=6, temperature=1.0, seed=3, prefix_choices=choices),
+        ]
+    ):
+        resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=g, rid=f"c{i}"))
+        out = list(resp.output_tokens)
+        assert any(out[: len(c)] == c for c in choices), tokenizer.decode(out)
+
+
+def test_required_call_names_an_offered_tool(engine):
+    proxy = ProxyServer(engine, engine.tokenizer, ProxyConfig(default_max_tokens=32)).start()
+    try:
+        names = set()
+        for i, question in enumerate(["What is 3 times 4?", "Add 10 and 5.", "Hello!"]):
+            sid, key = open_session(proxy)
+            client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+            r = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": question}],
+                tools=TOOLS,
+                tool_choice="required",
+                max_tokens=32,
+                temperature=1.0,
+                seed=i,
+            )
+            (info,) = export_session(proxy, sid)["interactions"]
+            assert info["completion_text"].split('"')[0] in ("plus", "times")
+            assert '"arguments": {"x": ' in info["completion_text"]
+            for call in r.choices[0].message.tool_calls or []:
+                names.add(call.function.name)
+                assert call.function.name in ("plus", "times")
+                assert "x" in json.loads(call.function.arguments)
+        assert names  # at least one call parsed completely
+    finally:
+        proxy.stop()

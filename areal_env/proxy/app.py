@@ -199,10 +199,7 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
         meta = body.get("metadata")
         if meta is not None and not isinstance(meta, dict):
             raise bad_request("'metadata' must be an object", "metadata")
-        try:
-            sampling = validate_session_sampling(body.get("sampling"))
-        except ValueError as e:
-            raise bad_request(str(e), "sampling") from None
+        sampling = _session_sampling(body)
         session, key = state.registry.start(ids["task_id"], ids["group_id"], meta)
         session.sampling = sampling
         return json_response({"session_id": session.id, "api_key": key})
@@ -299,6 +296,14 @@ def _apply_previous_response(session: Session, creq: CompletionRequest) -> None:
         ) from None
     new = [m for m in creq.messages if m["role"] != "system"]
     creq.messages = [*prev.messages, prev.output_message, *new]
+
+
+def _session_sampling(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A session's own sampling parameters (``/rl/start_session`` ``sampling``), checked."""
+    try:
+        return validate_session_sampling(body.get("sampling"))
+    except ValueError as e:
+        raise bad_request(str(e), "sampling") from None
 
 
 def _interaction_summary(state: ProxyState, it: Interaction, include_text: bool) -> dict[str, Any]:

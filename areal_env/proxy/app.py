@@ -196,10 +196,7 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             if v is not None and (isinstance(v, bool) or not isinstance(v, str | int)):
                 raise bad_request(f"'{name}' must be a string or an integer", name)
             ids[name] = None if v is None else str(v)
-        meta = body.get("metadata")
-        if meta is not None and not isinstance(meta, dict):
-            raise bad_request("'metadata' must be an object", "metadata")
-        sampling = _session_sampling(body)
+        meta, sampling = _session_metadata(body), _session_sampling(body)
         session, key = state.registry.start(ids["task_id"], ids["group_id"], meta)
         session.sampling = sampling
         return json_response({"session_id": session.id, "api_key": key})
@@ -296,6 +293,13 @@ def _apply_previous_response(session: Session, creq: CompletionRequest) -> None:
         ) from None
     new = [m for m in creq.messages if m["role"] != "system"]
     creq.messages = [*prev.messages, prev.output_message, *new]
+
+
+def _session_metadata(body: dict[str, Any]) -> dict[str, Any] | None:
+    meta = body.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise bad_request("'metadata' must be an object", "metadata")
+    return meta
 
 
 def _session_sampling(body: dict[str, Any]) -> dict[str, Any] | None:

@@ -39,7 +39,6 @@ from areal_env.trainer.dist import (
     to_local_float,
 )
 from areal_env.trainer.tree import (
-    enable_tree_attention,
     pack_rows,
     packed_size,
     tree_micro_batches,
@@ -337,12 +336,6 @@ class PPOActor:
             model.train()
         else:
             model.eval().requires_grad_(False)
-        if (
-            self.cfg.tree_training != "off"
-            and self.cfg.strategy == "single"
-            and not (trainable and self.cfg.lora is not None)
-        ):
-            enable_tree_attention(model)
         if self.cfg.strategy == "fsdp":
             shard_model(
                 model,

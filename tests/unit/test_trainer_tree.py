@@ -9,7 +9,13 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.tree import TREE_ATTN, pack_rows, packed_size, tree_micro_batches
+from areal_env.trainer.tree import (
+    TREE_ATTN,
+    enable_tree_attention,
+    pack_rows,
+    packed_size,
+    tree_micro_batches,
+)
 
 # ---------------------------------------------------------------- packing (no model)
 
@@ -154,14 +160,17 @@ def test_tree_logprobs_equal_flat(actor, tokenizer):
     assert (tree - flat).abs().max() < 1e-4
     assert (small - flat).abs().max() < 1e-4
     assert (tree[~mask] == 0).all()
-    # the dense ancestor mask (plain sdpa, no block wrapper) gives the same numbers
+    # the block attention variant gives the same numbers
+    assert actor.model.config._attn_implementation == "sdpa"
+    assert enable_tree_attention(actor.model)
     assert actor.model.config._attn_implementation == TREE_ATTN
-    actor.model.set_attn_implementation("sdpa")
     try:
-        dense = _logprobs(actor, batch, "on", 4096)
+        blocks = _logprobs(actor, batch, "on", 4096)
+        same_flat = _logprobs(actor, batch, "off", 4096)  # the wrapper leaves other calls alone
     finally:
-        actor.model.set_attn_implementation(TREE_ATTN)
-    assert (dense - flat).abs().max() < 1e-4
+        actor.model.set_attn_implementation("sdpa")
+    assert (blocks - flat).abs().max() < 1e-4
+    assert torch.equal(same_flat, flat)
 
 
 def _grads(actor, batch, mode, budget):

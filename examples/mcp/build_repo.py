@@ -1,6 +1,6 @@
 """Build the example's git repository: six commits by three authors, the same every time.
 
-    python examples/mcp/build_repo.py outputs/mcp-example/repo
+    python examples/mcp/build_repo.py outputs/mcp-example/example
 
 The questions in ``dataset.jsonl`` are about this history (who wrote which commit, how many
 commits there are, ...); the agent answers them through ``mcp-server-git``'s tools.
@@ -78,4 +78,4 @@ def build(repo: str | os.PathLike) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "outputs/mcp-example/repo"))
+    print(build(sys.argv[1] if len(sys.argv) > 1 else "outputs/mcp-example/example"))

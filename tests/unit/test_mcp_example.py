@@ -20,7 +20,7 @@ EXAMPLE = ROOT / "examples" / "mcp"
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     build = load_file_module(str(EXAMPLE / "build_repo.py"))
-    return build.build(tmp_path_factory.mktemp("mcp-example") / "repo")
+    return build.build(tmp_path_factory.mktemp("mcp-example") / "example")
 
 
 def test_repository_answers_every_question(repo):
@@ -72,7 +72,7 @@ async def test_an_episode_of_the_example_config(workflow, repo, proxy_server):
     agent = import_string(spec)(**kwargs)  # the README's override trains this one unchanged
     engine = proxy_server.state.engine
     engine.push(
-        '<tool_call>[{"name": "git_log", "arguments": {"repo_path": "."}}]</tool_call>',
+        '<tool_call>[{"name": "git_log", "arguments": {"repo_path": "example"}}]</tool_call>',
         "Alan Turing wrote it.",
     )
     _, key = open_session(proxy_server)

@@ -4,7 +4,8 @@
 
 Builds the repository first if it is missing (``build_repo.py``), then replaces this process
 with ``mcp-server-git --repository REPO``, started in REPO's parent folder (so ``repo_path``
-may be REPO's folder name): the agent talks to the real third-party server over stdio. ``McpConfig.command`` runs this script once per episode (``isolation: episode``).
+may be REPO's folder name): the agent talks to the real third-party server over stdio.
+``McpConfig.command`` runs this script once per episode (``isolation: episode``).
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ def test_engine_holds_no_dead_batch_buffers(engine, tokenizer, monkeypatch):
 
     async def staggered():
         async def one(i):
-            await asyncio.sleep(0.05 * i)  # join a running batch
-            g = GenerationConfig(max_new_tokens=4 + 2 * i, greedy=True)
+            # the first request runs long; the others join its running batch one by one
+            await asyncio.sleep(0.4 * i)
+            g = GenerationConfig(max_new_tokens=48 if i == 0 else 3, greedy=True, ignore_eos=True)
             return await engine.agenerate(ModelRequest(prompts[i], g))
 
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -117,7 +118,9 @@ def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, ligh
         "fileroot": str(tmp_path),
         "proxy": {"default_max_tokens": 6},
         "gconfig": {"max_new_tokens": 6, "temperature": 1.0},
-        "rollout": {"n_samples": group, "batch_size": batch, "max_head_offpolicyness": 2},
+        # Staleness-bounded admission (one version ahead) keeps the agents waiting for the trainer:
+        # they are still running at each restart.
+        "rollout": {"n_samples": group, "batch_size": batch, "max_head_offpolicyness": 1},
         "actor": {"ppo_n_minibatches": 1, "lr": 1e-5},
         "trainer": {"total_train_steps": steps, "save_freq_steps": 1, "tensorboard": False},
         "service": {
@@ -155,10 +158,14 @@ def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, ligh
         assert any("drain" in x for x in servers[0].lines), servers[0].log()
         assert agent.poll() is None, "the agents should still be running"
 
-        # 2. SIGKILL after step 2, whatever it is doing.
+        # 2. SIGKILL while step 2 trains, whatever it is doing.
         servers.append(Server(cfg_path, env))
         servers[1].listening()
-        servers[1].wait_for(lambda: 2 in _steps(run_dir), "step 2", 600)
+        models = httpx.get(
+            f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert [m["id"] for m in models.json()["data"]] == ["svc/restart"]  # not a cache path
+        time.sleep(10)
         servers[1].proc.kill()
         servers[1].proc.wait(timeout=60)
         assert agent.poll() is None, "the agents should still be running"

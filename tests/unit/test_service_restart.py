@@ -51,7 +51,11 @@ def test_light_client_installs_alone(light_client_python):
         "if u.find_spec(m)], c.AgentSession.__name__)"
     )
     out = subprocess.run(
-        [str(light_client_python), "-c", code], capture_output=True, text=True, check=True
+        [str(light_client_python), "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},  # no PYTHONPATH: only what the venv installed
     )
     assert out.stdout.split() == ["[]", "AgentSession"]
 

@@ -21,16 +21,22 @@ REPO = Path(__file__).resolve().parents[2]
 # An agent with a reward that varies within a group (so updates happen): the parity of the reply's
 # length. Written to a file and loaded by path, like a user's agent.
 AGENT = """
+import os
 from openai import AsyncOpenAI
 
 class ParityAgent:
     async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        if os.environ.get("AREAL_TEST_KEY_LOG"):  # the key scan below needs every session key
+            with open(os.environ["AREAL_TEST_KEY_LOG"], "a") as f:
+                f.write(api_key + "\\n")
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
         r = await client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": data["prompt"]}],
             max_tokens=6, temperature=1.0)
         return float(len(r.choices[0].message.content or "") % 2)
 """
+
+ADMIN_KEY = "test-admin-key-" + "5f0c" * 8  # configured, so the scan knows it
 
 DATA = [{"id": f"t{i}", "prompt": f"Say something about the number {i}."} for i in range(6)]
 
@@ -43,6 +49,7 @@ def _write_run(tmp_path: Path, steps: int) -> Path:
         "trial_name": "t",
         "fileroot": str(tmp_path / "out"),
         "seed": 7,
+        "proxy": {"admin_key": ADMIN_KEY},
         "rollout": {"batch_size": 2, "n_samples": 2},
         "gconfig": {"max_new_tokens": 6},
         "actor": {"ppo_n_minibatches": 1},
@@ -71,7 +78,8 @@ def test_checkpoint_kill_resume_and_outputs(tmp_path):
     config = _write_run(tmp_path, steps)
     run_dir = tmp_path / "out" / "resume" / "t"
     ckpts = run_dir / "checkpoints"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    key_log = tmp_path / "session_keys.txt"  # outside the run folder
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "AREAL_TEST_KEY_LOG": str(key_log)}
     log1 = (tmp_path / "run1.log").open("w")
     # cwd elsewhere: the CLI finds agent.py / data.jsonl next to the config
     p = subprocess.Popen(_train_cmd(config), cwd=REPO, env=env, stdout=log1, stderr=log1)
@@ -147,6 +155,27 @@ def test_checkpoint_kill_resume_and_outputs(tmp_path):
     assert final_state["version"] == sum(1 for r in records if r.get("actor/update_skipped") == 0.0)
     assert (ckpts / f"step_{steps}" / "model" / "config.json").is_file()
     assert '"reward_plot"' in out.stdout
+
+    # key scan (issue 15): no session key and not the admin key in any file of the whole run
+    # (metrics, dumps, tensorboard, plots, checkpoints' json and state) or its logs; tensor
+    # files over 64 MiB (the weights, the optimizer) hold only numbers and are skipped
+    session_keys = set(key_log.read_text().split())
+    assert len(session_keys) >= steps * 2 * 2, "every episode's session key was recorded"
+    secrets = [k.encode() for k in (*session_keys, ADMIN_KEY)]
+    secrets += [s[-16:] for s in secrets]  # not even a tail
+    scanned = 0
+    for f in [*run_dir.rglob("*"), tmp_path / "run1.log"]:
+        if f.is_file():
+            if f.stat().st_size > 64 << 20:
+                assert f.suffix in (".safetensors", ".pt", ".bin", ".distcp"), f
+                continue
+            data = f.read_bytes()
+            scanned += 1
+            found = [s.decode() for s in secrets if s in data]
+            assert not found, f"{f} holds a key"
+    assert scanned > 10, scanned
+    logs = (out.stdout + out.stderr).encode()
+    assert not [s for s in secrets if s in logs]
 
 
 SHORT_PROMPTS = [

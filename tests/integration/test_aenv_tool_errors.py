@@ -20,6 +20,27 @@ COUNTER_ENV = Path(__file__).resolve().parents[1] / "unit" / "aenv_counter_env.p
 ITEM = {"task_id": "f", "question": "Call the fail tool with message 'disk full'."}
 
 
+@pytest.fixture(scope="module")
+def proxy_server(engine):
+    """A proxy whose tool prompt carries the worked example (a format-only demonstration).
+
+    The forced call to ``fail`` must reach the tool with valid arguments, so that the tool really
+    runs and raises; without the example the small model fills in placeholder argument names.
+    """
+    from areal_env.api.config import ProxyConfig
+    from areal_env.proxy.server import ProxyServer
+
+    server = ProxyServer(
+        engine,
+        engine.tokenizer,
+        ProxyConfig(default_max_tokens=32, worked_example=True),
+        model_name="smollm2-test",
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
 def _workflow(agent, proxy_server):
     from areal_env.workflow.resolve import resolve_workflow
 

@@ -69,7 +69,8 @@ async def test_engine_output_starts_with_a_choice(engine, tokenizer):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=True
     )
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    # transformers 5 returns a BatchEncoding (a mapping, not a dict) from apply_chat_template.
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     choices = [tokenizer.encode(w, add_special_tokens=False) for w in ("zebra crossing", "quux")]
     for i, g in enumerate(
         [
@@ -102,9 +103,15 @@ def test_required_call_names_an_offered_tool(engine):
             assert info["completion_text"].split('"')[0] in ("plus", "times")
             assert '"arguments": {"x": ' in info["completion_text"]
             for call in r.choices[0].message.tool_calls or []:
-                names.add(call.function.name)
                 assert call.function.name in ("plus", "times")
-                assert "x" in json.loads(call.function.arguments)
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    # Cut at max_tokens: still a call, with the model's raw arguments text.
+                    assert call.function.arguments.startswith('{"x": ')
+                    continue
+                names.add(call.function.name)
+                assert "x" in arguments
         assert names  # at least one call parsed completely
     finally:
         proxy.stop()

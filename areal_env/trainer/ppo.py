@@ -544,11 +544,11 @@ class PPOTrainer:
     def _setup_models(self) -> None:
         """Engine (its own model copy) + the trainer's actor. Ranks other than 0 build only
         their shard of the actor: they neither generate nor serve."""
+        from transformers import AutoTokenizer
+
         cfg = self.config
         model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
         if not self.dist.is_main:
-            from transformers import AutoTokenizer
-
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.actor = PPOActor(
                 model_path, cfg.actor, cfg.model, temperature=cfg.gconfig.temperature, seed=cfg.seed

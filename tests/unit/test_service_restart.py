@@ -56,6 +56,7 @@ def test_light_client_installs_alone(light_client_python):
         text=True,
         check=True,
         env={"PATH": os.environ["PATH"]},  # no PYTHONPATH: only what the venv installed
+        cwd=str(Path(light_client_python).parent),  # not the repo root (`-c` puts cwd on sys.path)
     )
     assert out.stdout.split() == ["[]", "AgentSession"]
 

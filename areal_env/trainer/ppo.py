@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import random
 import shutil
@@ -280,7 +281,7 @@ class PPOTrainer:
             # A passed-in engine may already have moved on; its tokens carry that version.
             self.version = self._engine.get_version()
         self.metrics.truncate_after(self.step if restored else 0)
-        self._drop_stale_dumps(self.version - 1 if restored else -1)
+        self._drop_stale_dumps(self.step if restored else 0)
         truncate_eval_log(self.run_dir, self.step if restored else -1)
         self.saved_step = self.step
         if self.source is None:
@@ -598,15 +599,22 @@ class PPOTrainer:
         )
         return True
 
-    def _drop_stale_dumps(self, keep_upto: int) -> None:
-        """Dumps of versions after the restored one (or all, on a fresh start) belong to steps
-        that will be redone: remove them so files are not appended twice."""
+    def _drop_stale_dumps(self, keep_step: int) -> None:
+        """Dump lines of steps after the restored one (or all, on a fresh start) belong to steps
+        that will be redone: remove them so they are not written twice. Filtered by step, not by
+        version: a step whose update was skipped leaves the version where it was."""
         root = self.run_dir / "rollout"
         if not root.is_dir():
             return
-        for d in root.iterdir():
-            if d.is_dir() and (not d.name.isdigit() or int(d.name) > keep_upto):
-                shutil.rmtree(d, ignore_errors=True)
+        for f in root.rglob("*.jsonl"):
+            lines = f.read_text().splitlines()
+            kept = [x for x in lines if int(json.loads(x).get("step", 0)) <= keep_step]
+            if len(kept) == len(lines):
+                continue
+            if kept:
+                f.write_text("\n".join(kept) + "\n")
+            else:
+                f.unlink()
 
     def _start_proxy(self) -> None:
         pcfg = self.config.proxy

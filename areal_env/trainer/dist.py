@@ -309,8 +309,17 @@ def barrier(ctx: DistContext) -> None:
 
 
 def destroy() -> None:
+    """Tear the process group down after a barrier.
+
+    Without the barrier a rank that finishes first closes its gloo pairs while a peer is
+    still in its last collective; the peer then aborts in C++ ("terminate called without an
+    active exception") and torchrun reports the whole job as failed.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 __all__ = [

@@ -29,7 +29,7 @@ def test_sglang_backend_with_addresses():
         cfg(backend="sglang", max_retries=5, sglang={"addresses": ["http://10.0.0.1:30000/"]})
     )
     assert isinstance(eng, SGLangEngine)
-    assert eng.addresses == ["10.0.0.1:30000"] and eng.attempts == 5
+    assert eng.addresses == ["10.0.0.1:30000"] and eng.attempts == 6  # 1 try + 5 retries
     assert eng.supports_state_dict_update is False
 
 

@@ -27,8 +27,11 @@ and CPU time (not wall time) leaves out the load generator and other processes s
 **Faults.** ``set_reward``/``end_session`` retried three times (the reward counts once); an
 ``areal-env serve`` process SIGKILLed mid-generation and restarted on its port (the SGLang client's
 request completes once); a checkpoint written to a full tmpfs (the previous one stays the latest
-and loads bit-exact; skipped where no tmpfs can be mounted). ``faults_lost_data`` counts the
-ones that lost or doubled anything.
+and loads bit-exact; skipped where no tmpfs can be mounted); a real aenvironment server SIGKILLed,
+and one frozen with SIGSTOP (it never answers), at an episode's first tool call while a batch of 6
+episodes rolls out through the proxy, ``AenvAgent`` and the ``RolloutExecutor`` (the doomed group's
+2 episodes are rejected with a reason within the tool-call timeout, the other 4 are accepted, the
+batch returns). ``faults_lost_data`` counts the ones that lost or doubled anything.
 
 The last line printed is one JSON object with every figure.
 """
@@ -1339,6 +1342,123 @@ def fault_disk_full(tmp: Path) -> int | None:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def fault_env_server(tokenizer: Any, how: str) -> int:
+    """A real aenvironment server killed (``how="kill"``: SIGKILL) or frozen (``"hang"``: SIGSTOP,
+    so it accepts connections and never answers) as one group's episodes make their tool call.
+
+    A batch of 3 items x 2 samples runs through the real proxy, ``AenvAgent`` and the
+    ``RolloutExecutor`` (the engine is scripted: a tool call, then an answer); the doomed item's
+    episodes use their own server. Nothing lost: the batch returns within the configured tool-call
+    timeout plus margin, the 2 doomed episodes are rejected with a reason, the other 4 are
+    accepted with their tool result."""
+    import signal
+
+    from areal_env.aenv_agent import AenvAgent
+    from areal_env.api.config import RolloutConfig
+    from areal_env.infra.aenv.launcher import AenvServerLauncher
+    from areal_env.infra.episode import EnvironmentPool
+    from areal_env.proxy.server import ProxyServer
+    from areal_env.workflow.executor import RolloutExecutor
+    from areal_env.workflow.resolve import resolve_workflow
+
+    tools = ROOT / "examples" / "aenv" / "env_tools.py"
+    tool_timeout = 4.0
+    aenv_cfg = {"env_name": "calculator@1.0.0", "retry_delay": 0.05, "max_retries": 1}
+
+    class DoomedAgent(AenvAgent):
+        """Items marked ``doomed`` run on their own server, which fails at the first tool call."""
+
+        def __init__(self, doomed: Any, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.doomed = doomed
+
+        def open_environment(self, data: dict[str, Any]) -> Any:
+            if data.get("doomed"):
+                cfg = self.config.new(aenv_url=self.doomed.urls[0])
+                return EnvironmentPool(cfg).adapter()
+            return super().open_environment(data)
+
+        async def _run_tool(self, env: Any, name_map: Any, call: Any, log_: Any) -> Any:
+            # the episode is under way (tools listed, the model asked for a call): fail now
+            proc = self.doomed.servers[0].process
+            if env.config.aenv_url == self.doomed.urls[0] and proc.poll() is None:
+                if how == "kill":
+                    self.doomed.stop_server(0, kill=True)
+                else:
+                    os.kill(proc.pid, signal.SIGSTOP)
+            return await super()._run_tool(env, name_map, call, log_)
+
+    engine = agent_like_engine(tokenizer)
+    with (
+        AenvServerLauncher(tools, num_servers=1, first_host=120) as healthy,
+        AenvServerLauncher(tools, num_servers=1, first_host=130) as doomed,
+        ProxyServer(engine, tokenizer) as proxy,
+    ):
+        try:
+            agent = DoomedAgent(
+                doomed,
+                aenv_config={
+                    **aenv_cfg,
+                    "aenv_url": healthy.urls[0],
+                    "tool_call_timeout": tool_timeout,
+                },
+                max_turns=2,
+            )
+            rollout = RolloutConfig(n_samples=2, batch_size=3, episode_timeout=120.0)
+            wf = resolve_workflow(
+                agent,
+                rollout=rollout,
+                proxy_base_url=proxy.base_url,
+                admin_key=proxy.admin_key,
+            )
+            ex = RolloutExecutor(
+                engine,
+                wf,
+                rollout,
+                proxy_base_url=proxy.base_url,
+                admin_key=proxy.admin_key,
+                show_progress=False,
+            )
+            items = [{"task_id": f"t{i}", "question": "2 + 3?", "answer": 5} for i in range(3)]
+            items[1]["doomed"] = True
+
+            async def batch() -> Any:
+                try:
+                    return await asyncio.wait_for(
+                        ex.rollout_batch(items, trainer_version=0), 8 * tool_timeout
+                    )
+                finally:
+                    await ex.aclose()
+
+            t0 = time.monotonic()
+            try:
+                _, stats = asyncio.run(batch())
+            except TimeoutError:
+                log(f"fault env_server_{how}: the batch hung")
+                return 1
+            episodes = ex.last_episodes
+            rejected = [e for e in episodes if not e.get("accepted")]
+            accepted = [e for e in episodes if e.get("accepted")]
+            ok = (
+                stats["episodes/accepted"] == 4
+                and stats["episodes/rejected"] == 2
+                and {e.get("task_id") for e in rejected} == {"t1"}
+                and all(e.get("reason") for e in rejected)
+                and {e.get("task_id") for e in accepted} == {"t0", "t2"}
+            )
+            log(
+                f"fault env_server_{how}: batch in {time.monotonic() - t0:.1f}s, "
+                f"accepted {stats['episodes/accepted']:.0f}, rejected "
+                f"{stats['episodes/rejected']:.0f} "
+                f"({sorted({str(e.get('reason')) for e in rejected})})"
+            )
+            return 0 if ok else 1
+        finally:
+            proc = doomed.servers[0].process
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+
+
 def run_faults(tokenizer: Any) -> dict[str, Any]:
     import tempfile
 
@@ -1355,6 +1475,8 @@ def run_faults(tokenizer: Any) -> dict[str, Any]:
         ("serve_killed_mid_generation", fault_serve_killed),
     ):
         lost[name] = attempt(fn, tokenizer) or 0
+    for how in ("kill", "hang"):
+        lost[f"env_server_{how}_mid_episode"] = attempt(fault_env_server, tokenizer, how) or 0
     with tempfile.TemporaryDirectory() as tmp:
         disk = attempt(fault_disk_full, Path(tmp))
     if disk is not None:

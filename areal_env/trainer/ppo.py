@@ -57,6 +57,7 @@ from areal_env.trainer.eval import (
     read_eval_summary,
     truncate_eval_log,
 )
+from areal_env.trainer.faults import fault_from_env, kill_now
 from areal_env.trainer.feed import DatasetSource
 from areal_env.trainer.stats import (
     MetricsLogger,
@@ -126,6 +127,7 @@ class PPOTrainer:
         self._closed = False
         self.dist = SINGLE
         self.last_push_bytes = 0
+        self._fault = fault_from_env()  # AREAL_ENV_FAULT (hardening tests); None when unset
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -238,6 +240,8 @@ class PPOTrainer:
                         await asyncio.to_thread(self._save_checkpoint)
                     break
                 batch, metrics = fetched
+                if self._fault is not None and self._fault.should_kill_before_update(self.step + 1):
+                    kill_now(f"step {self.step + 1}: batch fetched, update not started")
                 records, dumped_version = list(source.last_episodes), self.version
                 metrics.update(await self._update(batch))
                 if metrics.get("actor/updated"):

@@ -3,7 +3,8 @@
 The bench prints figures; this test holds the promises that are not timings: no 5xx, no dropped
 connection, no hang, every error in its protocol's format, every server healthy after, and in the
 soak no error, no descriptor/task leak, every session reclaimed and memory growth <= 10 %; the
-faults it injects (retried rewards, a killed inference server, a full disk) lose nothing."""
+faults it injects (retried rewards, a killed inference server, a full disk, an environment server
+killed or frozen mid-episode) lose nothing."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_hardening_quick():
     ):
         assert fig[key] == 0, (key, failures)
     assert fig["fuzz_healthy_after"] is True
-    assert fig["faults_injected"] >= 2 and fig["faults_lost_data"] == 0, fig
+    assert fig["faults_injected"] >= 4 and fig["faults_lost_data"] == 0, fig
+    assert {"env_server_kill_mid_episode", "env_server_hang_mid_episode"} <= set(fig["faults"])
     assert fig["soak_sessions"] == 256 and fig["soak_requests"] >= 1500
     assert fig["soak_errors"] == 0, failures
     assert fig["soak_fd_leak"] <= 0 and fig["soak_task_leak"] <= 0, fig

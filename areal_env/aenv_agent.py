@@ -19,7 +19,6 @@ rejects the episode (training goes on without it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from areal_env.infra.aenv.config import AenvConfig
@@ -31,7 +30,6 @@ from areal_env.infra.episode import (
     initial_messages,
     logged_tool_call,
 )
-from areal_env.infra.mcp.config import McpConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,34 +67,13 @@ class AenvAgent(EnvAgentBase):
         self,
         aenv_config: AenvConfig | dict[str, Any] | None = None,
         *,
-        aenv_urls: list[str] | None = None,
-        max_turns: int = 3,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        reward_fn: Callable[..., Any] | str | None = None,
-        gconfig: Any = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        max_tokens: int | None = None,
-        tool_error_policy: str | None = None,
-        model: str | None = None,
-        mcp_config: McpConfig | dict[str, Any] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            aenv_config,
-            aenv_urls=aenv_urls,
-            max_turns=max_turns,
-            system_prompt=system_prompt,
-            reward_fn=reward_fn,
-            gconfig=gconfig,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            tool_error_policy=tool_error_policy,
-            model=model,
-            mcp_config=mcp_config,
-        )
+        # ``options`` are ``EnvAgentBase``'s keyword arguments (documented above), unchanged.
+        super().__init__(aenv_config, system_prompt=system_prompt, **options)
         self.tool_choice = tool_choice
         self.first_turn_tool_choice = first_turn_tool_choice
 

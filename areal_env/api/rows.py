@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from areal_env.api.records import field_dict
+
 ROW_FIELDS = ("input_ids", "loss_mask", "logprobs", "versions")
 
 
@@ -67,14 +69,7 @@ class TrainingRow:
 
     def to_dict(self) -> dict[str, Any]:
         """The export format (what the proxy sends and light clients read)."""
-        return {
-            "input_ids": self.input_ids,
-            "loss_mask": self.loss_mask,
-            "logprobs": self.logprobs,
-            "versions": self.versions,
-            "reward": self.reward,
-            "temperature": self.temperature,
-        }
+        return field_dict(self, exclude=("traj_id", "group_id"))
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from areal_env.api.tokens import common_prefix_len
+
 
 class _Node:
     __slots__ = ("key", "kv", "children", "parent", "used")
@@ -32,14 +34,6 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.used = used
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:
@@ -79,7 +73,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k = _common(child.key, tokens[pos:limit])
+            k = common_prefix_len(child.key, tokens[pos:limit])
             assert child.kv is not None
             child.used = now
             parts.append(child.kv[:, :, :, :k] if k < len(child.key) else child.kv)
@@ -100,7 +94,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k = _common(child.key, tokens[pos:limit])
+            k = common_prefix_len(child.key, tokens[pos:limit])
             pos += k
             if k < len(child.key):
                 break
@@ -124,7 +118,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k = _common(child.key, tokens[pos:])
+            k = common_prefix_len(child.key, tokens[pos:])
             child.used = now
             if k < len(child.key):
                 child = self._split(child, k)

@@ -24,6 +24,7 @@ import torch
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
+from areal_env.api.tokens import common_prefix_len
 from areal_env.engine._kv import _GROW, BatchKV
 from areal_env.engine._prefix import PrefixCache
 from areal_env.engine._sampling import RowSampling, sample_rows
@@ -101,14 +102,6 @@ def _length_groups(
         groups.append([r])
         real = n
     return groups
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class LocalEngine:
@@ -703,10 +696,10 @@ class LocalEngine:
         )
         i = 0
         while i + 1 < len(ids):
-            shared = _common_prefix(ids[i], ids[i + 1])
+            shared = common_prefix_len(ids[i], ids[i + 1])
             j = i + 1
             while j + 1 < len(ids):
-                nxt = min(shared, _common_prefix(ids[j], ids[j + 1]))
+                nxt = min(shared, common_prefix_len(ids[j], ids[j + 1]))
                 if nxt < _MIN_PREFIX:
                     break
                 shared, j = nxt, j + 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,6 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 # is the usual estimate for English text under BPE vocabularies (code and JSON run lower).
 CHARS_PER_TOKEN = 4
 TRUNCATION_MARKER = "\n[... tool output truncated: {dropped} of {total} characters omitted ...]"
+
+
+def _failed(what: str, where: str, attempts: int, cause: BaseException) -> str:
+    return f"{what} on {where} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}"
 
 
 class EnvError(RuntimeError):
@@ -38,13 +43,8 @@ class EnvToolCallError(EnvError):
     rejection_reason = "env_tool_transport"
 
     def __init__(self, tool_name: str, attempts: int, cause: BaseException, where: str):
-        self.tool_name = tool_name
-        self.attempts = attempts
-        self.cause = cause
-        super().__init__(
-            f"tool {tool_name!r} on {where} failed after {attempts} attempt(s): "
-            f"{type(cause).__name__}: {cause}"
-        )
+        self.tool_name, self.attempts, self.cause = tool_name, attempts, cause
+        super().__init__(_failed(f"tool {tool_name!r}", where, attempts, cause))
 
 
 class EnvServerDiedError(EnvToolCallError):
@@ -60,12 +60,8 @@ class EnvCallError(EnvError):
     rejection_reason = "env_reward_error"
 
     def __init__(self, what: str, attempts: int, cause: BaseException, where: str):
-        self.what = what
-        self.attempts = attempts
-        self.cause = cause
-        super().__init__(
-            f"{what} on {where} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}"
-        )
+        self.what, self.attempts, self.cause = what, attempts, cause
+        super().__init__(_failed(what, where, attempts, cause))
 
 
 @dataclass
@@ -195,16 +191,26 @@ def render_tool_output(
     return text[:limit] + TRUNCATION_MARKER.format(dropped=total - limit, total=total), True
 
 
-def check_output_options(prefix: str, max_tool_output_tokens: Any, tool_images: Any) -> None:
-    """Shared validation of the tool-output options of both environment configs."""
-    if max_tool_output_tokens is not None and (
-        isinstance(max_tool_output_tokens, bool)
-        or not isinstance(max_tool_output_tokens, int)
-        or max_tool_output_tokens < 1
-    ):
-        raise ValueError(
-            f"{prefix}.max_tool_output_tokens={max_tool_output_tokens!r} is invalid: "
-            "expected an integer >= 1, or null for no limit"
-        )
-    if not isinstance(tool_images, bool):
-        raise ValueError(f"{prefix}.tool_images={tool_images!r} is invalid: expected true/false")
+TOOL_ERROR_POLICIES = ("append_error", "raise")
+
+
+def check_common_options(cfg: Any, bad: Callable[[str, str], Exception]) -> None:
+    """Validation shared by both environment configs (timeouts, the retry policy, the
+    tool-error policy, tool output); ``bad(field, why)`` builds the error to raise."""
+    for name in ("timeout", "startup_timeout", "tool_call_timeout"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise bad(name, "expected a number of seconds > 0")
+    retries = cfg.max_retries
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise bad("max_retries", "expected an integer >= 0")
+    delay = cfg.retry_delay
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+        raise bad("retry_delay", "expected a number of seconds >= 0")
+    if cfg.tool_error_policy not in TOOL_ERROR_POLICIES:
+        raise bad("tool_error_policy", f"valid values: {', '.join(TOOL_ERROR_POLICIES)}")
+    limit = cfg.max_tool_output_tokens
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise bad("max_tool_output_tokens", "expected an integer >= 1, or null for no limit")
+    if not isinstance(cfg.tool_images, bool):
+        raise bad("tool_images", "expected true/false")

@@ -278,7 +278,7 @@ async def logged_tool_call(
     transport failures (``EnvToolCallError``) propagate so that the episode is rejected. The
     caller applies ``tool_error_policy`` (each agent raises its own error type).
     """
-    from areal_env.infra.aenv.schema import ToolArgumentsError, parse_tool_arguments
+    from areal_env.infra.schema import ToolArgumentsError, parse_tool_arguments
 
     entry: dict[str, Any] = {"name": name, "arguments": None, "is_error": True}
     tool_log.append(entry)

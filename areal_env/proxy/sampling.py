@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_env.api.io import GenerationConfig
+from areal_env.api.records import field_dict
 
 SAMPLING_MODES = ("trainer", "agent")
 _SESSION_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "greedy"}
@@ -42,13 +43,7 @@ class Sampling:
         return 1.0 if self.greedy else self.temperature
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "greedy": self.greedy,
-        }
+        return field_dict(self)
 
 
 def validate_session_sampling(value: Any) -> dict[str, Any] | None:

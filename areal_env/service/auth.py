@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_env.api.records import field_dict
 from areal_env.service.store import KeyRecord, ServiceStore
 
 KEY_PREFIX = "ak-"
@@ -58,18 +59,9 @@ class UserKey:
 
     def describe(self) -> dict[str, Any]:
         """Public view for the admin API (no digest, no key)."""
-        return {
-            "key_id": self.key_id,
-            "name": self.name,
-            "issued": self.issued,
-            "revoked": self.revoked,
-            "max_sessions": self.max_sessions,
-            "tokens_per_minute": self.tokens_per_minute,
-            "max_tokens": self.max_tokens,
-            "open_sessions": self.open_sessions,
-            "tokens_used": self.tokens_used,
-            "tokens_last_minute": self.tokens_last_minute(),
-        }
+        view = field_dict(self, exclude=("digest", "window"))
+        view["tokens_last_minute"] = self.tokens_last_minute()
+        return view
 
     def record(self) -> KeyRecord:
         return KeyRecord(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_env.api.records import field_dict
 from areal_env.trainer.stats import dump_records
 
 logger = logging.getLogger(__name__)
@@ -120,13 +121,7 @@ class EvalResult:
     rewards: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "step": self.step,
-            "metrics": self.metrics,
-            "outcomes": self.outcomes,
-            "rewards": self.rewards,
-        }
+        return field_dict(self)
 
 
 def episode_metrics(

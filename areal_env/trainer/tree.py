@@ -33,18 +33,12 @@ from typing import Any
 
 import torch
 
+from areal_env.api.tokens import common_prefix_len
+
 TREE_ATTN = "areal_tree_sdpa"  # the sdpa wrapper registered with transformers
 # Attention implementations that accept an arbitrary 4-D mask from transformers.
 _MASK_IMPLS = {"sdpa": "additive", "eager": "additive", TREE_ATTN: "blocks"}
 _BLOCK = 32  # queries per attention block
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -199,7 +193,7 @@ def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
     prev_path: list[int] = []
     for i in order:
         row = rows[i]
-        k = _lcp(prev, row)
+        k = common_prefix_len(prev, row)
         start = len(ids)
         path = prev_path[:k] + list(range(start, start + len(row) - k))
         ids.extend(int(t) for t in row[k:])
@@ -221,7 +215,7 @@ def packed_size(rows: Sequence[Sequence[int]]) -> int:
     total = 0
     prev: tuple[int, ...] = ()
     for row in sorted(tuple(r) for r in rows):
-        total += len(row) - _lcp(prev, row)
+        total += len(row) - common_prefix_len(prev, row)
         prev = row
     return total
 
@@ -241,7 +235,7 @@ def tree_micro_batches(
     prev: Sequence[int] = ()
     for r in order:
         row = rows_tokens[r]
-        add = len(row) - _lcp(prev, row)
+        add = len(row) - common_prefix_len(prev, row)
         if cur and size + add > max_tokens:
             out.append(cur)
             cur, size = [], 0

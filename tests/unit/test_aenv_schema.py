@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_env.infra.aenv import ToolArgumentsError, normalize_openai_tools, parse_tool_arguments
-from areal_env.infra.aenv.schema import VALID_NAME
+from areal_env.infra.schema import VALID_NAME
 
 
 def _tool(name, schema=None, description="d"):

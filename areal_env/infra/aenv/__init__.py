@@ -10,7 +10,7 @@ from areal_env.infra.aenv.adapter import (
     reward_value,
 )
 from areal_env.infra.aenv.config import AenvConfig, AenvConfigError, redact_url
-from areal_env.infra.aenv.schema import (
+from areal_env.infra.schema import (
     ToolArgumentsError,
     normalize_openai_tools,
     parse_tool_arguments,

@@ -29,15 +29,9 @@ import time
 from typing import Any
 
 import httpx
-from tenacity import (
-    AsyncRetrying,
-    RetryError,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random,
-)
+from tenacity import RetryError
 
+from areal_env.infra.adapter_base import McpAdapterBase, RetrySafe, retry_cause
 from areal_env.infra.aenv.config import AenvConfig, redact_url
 from areal_env.infra.aenv.control import (
     CONTROL_PORT,
@@ -45,15 +39,12 @@ from areal_env.infra.aenv.control import (
     Instance,
     routing_headers,
 )
-from areal_env.infra.aenv.schema import normalize_openai_tools
 from areal_env.infra.base import (
     EnvCallError,
     EnvError,
-    EnvServerDiedError,
     EnvToolCallError,
     EnvUnavailableError,
     ToolCallResult,
-    render_tool_output,
     reward_value,
 )
 from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead
@@ -80,14 +71,6 @@ __all__ = [
 ]
 
 
-class _RetrySafe(Exception):
-    """Internal: the request provably did not run; ``cause`` is why it failed."""
-
-    def __init__(self, cause: BaseException):
-        super().__init__(str(cause))
-        self.cause = cause
-
-
 def is_retry_safe(exc: BaseException) -> bool:
     """True when ``exc`` proves an HTTP request never ran on the environment: the connection
     was refused, or a gateway answered 502/503/504 (decided from types and status codes)."""
@@ -105,12 +88,14 @@ def is_retry_safe(exc: BaseException) -> bool:
     return False
 
 
-class AenvEnvironmentAdapter:
+class AenvEnvironmentAdapter(McpAdapterBase):
     """Async context manager over one aenvironment instance for one episode.
 
     ``async with AenvEnvironmentAdapter(cfg) as env: tools = await env.list_tools()``.
     Implements ``areal_env.infra.ToolEnvironment``.
     """
+
+    config: AenvConfig
 
     has_reward = True
 
@@ -128,10 +113,6 @@ class AenvEnvironmentAdapter:
         self._session_lock = asyncio.Lock()
         self._initialized = False
         self.where = f"environment {self.config.env_name} at {redact_url(self.config.aenv_url)}"
-
-    @property
-    def tool_error_policy(self) -> str:
-        return self.config.tool_error_policy
 
     @property
     def data_plane_url(self) -> str:
@@ -206,7 +187,7 @@ class AenvEnvironmentAdapter:
                 try:
                     self.instance = await self._control.create(request)
                 except httpx.ConnectError as e:
-                    raise _RetrySafe(e) from e
+                    raise RetrySafe(e) from e
         assert self.instance is not None
         self.instance = await self._control.wait_running(self.instance, cfg.startup_timeout)
         self.headers = routing_headers(self.instance)
@@ -279,7 +260,7 @@ class AenvEnvironmentAdapter:
                 await http.aclose()
 
     # ---------------------------------------------------------------- helpers
-    def _require(self) -> None:
+    def _check_ready(self) -> None:
         if not self._initialized:
             raise EnvError(f"{self.where} is not initialized (use 'async with' or initialize())")
 
@@ -293,15 +274,15 @@ class AenvEnvironmentAdapter:
             r = await self._probe()
         except httpx.ConnectError as e:
             await self._drop_session()
-            raise _RetrySafe(e) from e
+            raise RetrySafe(e) from e
         except httpx.HTTPError:
             return  # inconclusive: let the real call decide
         if r.status_code in RETRY_STATUS:
-            raise _RetrySafe(
+            raise RetrySafe(
                 httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
             )
 
-    async def _mcp(self) -> McpSession:
+    async def _session_for_call(self) -> McpSession:
         """The open MCP session (opened on first use, re-opened after a server restart)."""
         async with self._session_lock:
             if self._session is not None and self._session.alive:
@@ -316,7 +297,7 @@ class AenvEnvironmentAdapter:
             try:
                 await session.open(self.config.timeout)
             except SessionDead as e:
-                raise _RetrySafe(e) from e
+                raise RetrySafe(e) from e
             self._session = session
             return session
 
@@ -325,171 +306,66 @@ class AenvEnvironmentAdapter:
         if session is not None:
             await session.close()
 
-    def _retrying(self, reraise: bool = False) -> AsyncRetrying:
-        cfg = self.config
-        return AsyncRetrying(
-            stop=stop_after_attempt(cfg.max_retries + 1),
-            wait=wait_exponential(multiplier=cfg.retry_delay, max=cfg.retry_delay * 16)
-            + wait_random(0, cfg.retry_delay),
-            retry=retry_if_exception_type(_RetrySafe),
-            reraise=reraise,
-            before_sleep=lambda rs: logger.info(
-                "retrying on %s after attempt %d: %s",
-                self.where,
-                rs.attempt_number,
-                rs.outcome.exception() if rs.outcome else "?",
-            ),
-        )
+    async def _recover(self, e: BaseException, *, read_only: bool) -> bool:
+        await self._drop_session()
+        return read_only or (isinstance(e, SessionDead) and e.retry_safe)
 
-    @staticmethod
-    def _cause(e: RetryError) -> BaseException:
-        cause = e.last_attempt.exception()
-        while isinstance(cause, _RetrySafe):
-            cause = cause.cause
+    def _cause(self, e: RetryError) -> BaseException:
+        cause = retry_cause(e)
         if isinstance(cause, SessionDead) and cause.cause is not None:
             inner = cause.cause
             for c in (inner, inner.__cause__, inner.__context__):
                 if isinstance(c, httpx.ConnectError):
                     return c
-        assert cause is not None
         return cause
 
     # ---------------------------------------------------------------- tools
-    def _bare(self, name: str) -> str:
+    def _wire_name(self, name: str) -> str:
+        """Tools are listed as ``env@ver/tool``; the server knows the bare name."""
         prefix, sep, bare = name.rpartition("/")
         if sep and prefix != self.config.env_name:
             return name  # refused by the server as an unknown tool
         return bare if sep else name
 
-    async def list_tools(self) -> list[dict[str, Any]]:
-        """The environment's tools as MCP descriptions (``name`` as ``env@ver/tool``, the
-        aenvironment convention; ``description``, ``inputSchema``); fetched once per instance.
-        Listing is read-only, so any transport failure is retried."""
-        self._require()
-        async with self._lock:
-            if self._tools is not None:
-                return self._tools
-            attempts = 0
-            try:
-                async for attempt in self._retrying():
-                    with attempt:
-                        attempts += 1
-                        await self._preflight()
-                        session = await self._mcp()
-                        try:
-                            tools = await session.list_tools(timeout=self.config.timeout)
-                        except (SessionDead, TimeoutError) as e:
-                            await self._drop_session()
-                            raise _RetrySafe(e) from e
-                        self._tools = [
-                            {**t, "name": f"{self.config.env_name}/{t['name']}"} for t in tools
-                        ]
-            except RetryError as e:
-                cause = self._cause(e)
-                raise EnvUnavailableError(
-                    f"listing tools of {self.where} failed after {attempts} attempt(s): "
-                    f"{type(cause).__name__}: {cause}"
-                ) from cause
-            return self._tools  # type: ignore[return-value]
-
-    async def openai_tools(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """``normalize_openai_tools(await list_tools())``, cached."""
-        if self._openai is None:
-            self._openai = normalize_openai_tools(await self.list_tools())
-        return self._openai
-
-    async def call_tool(
-        self, name: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None
-    ) -> ToolCallResult:
-        """Run tool ``name`` (bare or ``env@ver/name``) and return its result.
-
-        A tool error (exception inside the tool, unknown tool, invalid arguments) comes back as
-        ``ToolCallResult(is_error=True)``. Transport failures are retried only when the call
-        cannot have run; otherwise, or after the last try, ``AenvToolCallError`` is raised.
-        """
-        from mcp.shared.exceptions import MCPError
-
-        self._require()
-        limit = timeout or self.config.tool_call_timeout
-        arguments = arguments or {}
-        attempts = 0
-        try:
-            async for attempt in self._retrying():
-                with attempt:
-                    attempts += 1
-                    await self._preflight()
-                    session = await self._mcp()
-                    try:
-                        content, is_error = await session.call_tool(
-                            self._bare(name), arguments, timeout=limit
-                        )
-                    except SessionDead as e:
-                        await self._drop_session()
-                        if e.retry_safe:
-                            raise _RetrySafe(e) from e
-                        raise EnvServerDiedError(name, attempts, e, self.where) from e
-                    except MCPError as e:  # the server refused the call (JSON-RPC error)
-                        content, is_error = [{"type": "text", "text": e.error.message}], True
-                    text, cut = render_tool_output(
-                        content,
-                        max_tokens=self.config.max_tool_output_tokens,
-                        images=self.config.tool_images,
-                    )
-                    return ToolCallResult(text, is_error, content, cut)
-        except RetryError as e:
-            cause = self._cause(e)
-            raise EnvToolCallError(name, attempts, cause, self.where) from cause
-        except (asyncio.CancelledError, EnvError):
-            raise
-        except Exception as e:
-            raise EnvToolCallError(name, attempts, e, self.where) from e
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _listed(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``name`` as ``env@ver/tool`` (the aenvironment convention)."""
+        return [{**t, "name": f"{self.config.env_name}/{t['name']}"} for t in tools]
 
     # ---------------------------------------------------------------- reward / functions
-    async def _post(self, what: str, path: str, arguments: dict[str, Any]) -> Any:
-        self._require()
+    async def _post_once(
+        self, what: str, url: str, arguments: dict[str, Any], attempts: int
+    ) -> Any:
         assert self._http is not None
-        attempts = 0
-        url = f"{self.data_plane_url}{path}"
         try:
-            async for attempt in self._retrying():
-                with attempt:
-                    attempts += 1
-                    try:
-                        r = await self._http.post(
-                            url, json=arguments, headers=self.headers, timeout=self.config.timeout
-                        )
-                        if r.status_code in RETRY_STATUS:
-                            r.raise_for_status()
-                    except httpx.HTTPError as e:
-                        if is_retry_safe(e):
-                            raise _RetrySafe(e) from e
-                        raise
-                    try:
-                        body = r.json()
-                    except ValueError:
-                        raise EnvCallError(
-                            what,
-                            attempts,
-                            RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}"),
-                            self.where,
-                        ) from None
-                    if not isinstance(body, dict) or not body.get("success", False):
-                        error = body.get("error") if isinstance(body, dict) else body
-                        raise EnvCallError(
-                            what,
-                            attempts,
-                            RuntimeError(f"HTTP {r.status_code}: {error}"),
-                            self.where,
-                        )
-                    return body.get("data", {})
-        except RetryError as e:
-            cause = self._cause(e)
-            raise EnvCallError(what, attempts, cause, self.where) from cause
-        except (asyncio.CancelledError, EnvError):
+            r = await self._http.post(
+                url, json=arguments, headers=self.headers, timeout=self.config.timeout
+            )
+            if r.status_code in RETRY_STATUS:
+                r.raise_for_status()
+        except httpx.HTTPError as e:
+            if is_retry_safe(e):
+                raise RetrySafe(e) from e
             raise
-        except Exception as e:
-            raise EnvCallError(what, attempts, e, self.where) from e
+        try:
+            body = r.json()
+        except ValueError:
+            error: Any = r.text[:200]
+        else:
+            if isinstance(body, dict) and body.get("success", False):
+                return body.get("data", {})
+            error = body.get("error") if isinstance(body, dict) else body
+        raise EnvCallError(
+            what, attempts, RuntimeError(f"HTTP {r.status_code}: {error}"), self.where
+        ) from None
+
+    async def _post(self, what: str, path: str, arguments: dict[str, Any]) -> Any:
+        self._check_ready()
+        url = f"{self.data_plane_url}{path}"
+        return await self._with_retries(
+            lambda n: self._post_once(what, url, arguments, n),
+            lambda n, cause: EnvCallError(what, n, cause, self.where),
+            wrap_errors=True,
+        )
 
     async def call_reward(self, arguments: dict[str, Any]) -> Any:
         """POST ``arguments`` to the environment's ``@register_reward`` function; its result."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from areal_env.infra.base import check_output_options
+from areal_env.api.records import field_dict, strict_from_dict
+from areal_env.infra.base import check_common_options
 
-TOOL_ERROR_POLICIES = ("append_error", "raise")
 MODES = ("direct", "scheduler")
 
 # name@version, where version is optional; tools are listed as name@version/tool.
@@ -134,28 +134,12 @@ class AenvConfig:
             raise bad("mode", f"valid values: {', '.join(MODES)}")
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise bad("api_key", "expected a string or null")
-        for name in ("timeout", "startup_timeout", "tool_call_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise bad(name, "expected a number of seconds > 0")
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
-            raise bad("max_retries", "expected an integer >= 0")
-        if self.max_retries < 0:
-            raise bad("max_retries", "expected an integer >= 0")
-        if (
-            isinstance(self.retry_delay, bool)
-            or not isinstance(self.retry_delay, (int, float))
-            or self.retry_delay < 0
-        ):
-            raise bad("retry_delay", "expected a number of seconds >= 0")
         if not isinstance(self.ttl, str) or not re.match(r"^\d+[smhd]?$", self.ttl):
             raise bad("ttl", "expected a duration such as '30m', '2h' or '600s'")
         if not isinstance(self.environment_variables, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.environment_variables.items()
         ):
             raise bad("environment_variables", "expected a mapping of string to string")
-        if self.tool_error_policy not in TOOL_ERROR_POLICIES:
-            raise bad("tool_error_policy", f"valid values: {', '.join(TOOL_ERROR_POLICIES)}")
         for name in ("skip_health_check", "auto_release"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected true or false")
@@ -179,26 +163,13 @@ class AenvConfig:
             raise bad("mount_points", "expected a list of mappings, or null")
         if self.server_python is not None and not isinstance(self.server_python, str):
             raise bad("server_python", "expected a path to a Python interpreter, or null")
-        try:
-            check_output_options("aenv", self.max_tool_output_tokens, self.tool_images)
-        except ValueError as e:
-            raise AenvConfigError(str(e)) from None
+        check_common_options(self, bad)
 
     # ----------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AenvConfig:
         """Build from a mapping (YAML ``workflow_kwargs.aenv_config``); unknown keys are errors."""
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, dict):
-            raise AenvConfigError(f"aenv config must be a mapping, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise AenvConfigError(
-                f"unknown aenv config key {unknown[0]!r}; valid keys: {', '.join(sorted(names))}"
-            )
-        return cls(**data)
+        return strict_from_dict(cls, data, section="aenv config", error=AenvConfigError)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,7 +190,7 @@ class AenvConfig:
         return f"http://{self.host}:8081"
 
     def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown = field_dict(self)
         shown["aenv_url"] = redact_url(self.aenv_url)
         if self.api_key is not None:
             shown["api_key"] = "***"

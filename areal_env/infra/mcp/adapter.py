@@ -25,34 +25,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tenacity import (
-    AsyncRetrying,
-    RetryError,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random,
-)
-
-from areal_env.infra.aenv.schema import normalize_openai_tools
-from areal_env.infra.base import (
-    EnvError,
-    EnvServerDiedError,
-    EnvToolCallError,
-    EnvUnavailableError,
-    ToolCallResult,
-    render_tool_output,
-)
+from areal_env.infra.adapter_base import McpAdapterBase, RetrySafe
+from areal_env.infra.base import EnvError, EnvUnavailableError, ToolCallResult
 from areal_env.infra.mcp.config import McpConfig
 from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead, StdioTarget
 
 logger = logging.getLogger(__name__)
-
-
-class _RetrySafe(Exception):
-    def __init__(self, cause: BaseException):
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 def resolve_command(command: str) -> str:
@@ -155,9 +133,11 @@ class StdioServerPool:
             await s.close()
 
 
-class McpEnvironmentAdapter:
+class McpEnvironmentAdapter(McpAdapterBase):
     """``async with McpEnvironmentAdapter(cfg) as env:`` — a ``ToolEnvironment`` on an MCP
     server for one episode (see the module docstring for the failure policy)."""
+
+    config: McpConfig
 
     has_reward = False
 
@@ -179,10 +159,6 @@ class McpEnvironmentAdapter:
         self._ever_opened = False
 
     @property
-    def tool_error_policy(self) -> str:
-        return self.config.tool_error_policy
-
-    @property
     def initialized(self) -> bool:
         return self._session is not None
 
@@ -197,18 +173,13 @@ class McpEnvironmentAdapter:
         """Spawn/connect and run the MCP handshake (retried while nothing ran)."""
         if self._session is not None:
             return
-        attempts = 0
-        try:
-            async for attempt in self._retrying():
-                with attempt:
-                    attempts += 1
-                    self._session = await self._open()
-                    self._ever_opened = True
-        except RetryError as e:
-            cause = _cause(e)
-            raise EnvUnavailableError(
-                f"{self.where} could not be opened after {attempts} attempt(s): {cause}"
-            ) from cause
+        self._session = await self._with_retries(
+            lambda n: self._open(),
+            lambda n, cause: EnvUnavailableError(
+                f"{self.where} could not be opened after {n} attempt(s): {cause}"
+            ),
+        )
+        self._ever_opened = True
 
     async def _open(self) -> McpSession:
         try:
@@ -220,7 +191,7 @@ class McpEnvironmentAdapter:
         except SessionDead as e:
             if self.config.command:  # a command that does not start will not start next time
                 raise EnvUnavailableError(str(e)) from e
-            raise _RetrySafe(e) from e
+            raise RetrySafe(e) from e
 
     async def release(self) -> None:
         """Close the session (stdio: stop the process, or hand it back to the pool); never
@@ -242,20 +213,9 @@ class McpEnvironmentAdapter:
         except Exception as e:  # noqa: BLE001 - release must not fail the episode
             logger.warning("releasing %s failed: %s: %s", self.where, type(e).__name__, e)
 
-    def _retrying(self) -> AsyncRetrying:
-        cfg = self.config
-        return AsyncRetrying(
-            stop=stop_after_attempt(cfg.max_retries + 1),
-            wait=wait_exponential(multiplier=cfg.retry_delay, max=cfg.retry_delay * 16)
-            + wait_random(0, cfg.retry_delay),
-            retry=retry_if_exception_type(_RetrySafe),
-            reraise=False,
-        )
-
-    def _require(self) -> McpSession:
-        if self._session is None:
+    def _check_ready(self) -> None:
+        if self._session is None and not self._ever_opened:
             raise EnvError(f"{self.where} is not initialized (use 'async with' or initialize())")
-        return self._session
 
     async def _preflight(self) -> None:
         """HTTP only: a cheap TCP connect before a call. A refused connection means the call
@@ -272,7 +232,7 @@ class McpEnvironmentAdapter:
             old, self._session = self._session, None
             if old is not None:
                 await old.close()
-            raise _RetrySafe(e) from e
+            raise RetrySafe(e) from e
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
@@ -292,105 +252,38 @@ class McpEnvironmentAdapter:
         self._session = await self._open()
         return self._session
 
-    async def list_tools(self) -> list[dict[str, Any]]:
-        """The server's tools (``config.tools`` only, when set), fetched once per episode."""
-        if not self._ever_opened:
-            self._require()
-        async with self._lock:
-            if self._tools is not None:
-                return self._tools
-            attempts = 0
-            try:
-                async for attempt in self._retrying():
-                    with attempt:
-                        attempts += 1
-                        await self._preflight()
-                        session = await self._session_for_call()
-                        try:
-                            tools = await session.list_tools(timeout=self.config.timeout)
-                        except (SessionDead, TimeoutError) as e:
-                            if isinstance(e, SessionDead) and e.retry_safe:
-                                await self._replace_session()
-                                raise _RetrySafe(e) from e
-                            raise EnvUnavailableError(
-                                f"listing tools of {self.where} failed: {e}"
-                            ) from e
-            except RetryError as e:
-                cause = _cause(e)
-                raise EnvUnavailableError(
-                    f"listing tools of {self.where} failed after {attempts} attempt(s): {cause}"
-                ) from cause
-            wanted = self.config.tools
-            if wanted is not None:
-                missing = sorted(set(wanted) - {t["name"] for t in tools})
-                if missing:
-                    raise EnvUnavailableError(
-                        f"{self.where} has no tool(s) {', '.join(missing)} (mcp.tools); it has: "
-                        f"{', '.join(t['name'] for t in tools)}"
-                    )
-                tools = [t for t in tools if t["name"] in wanted]
-            self._tools = tools
-            return tools
+    async def _recover(self, e: BaseException, *, read_only: bool) -> bool:
+        """Only a refused request is retried, on a new session; a stdio process is replaced
+        only while listing (before the episode gave it any state)."""
+        safe = isinstance(e, SessionDead) and e.retry_safe
+        if safe and (read_only or not self.config.command):
+            await self._replace_session()
+            return True
+        return False
 
-    async def openai_tools(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """``normalize_openai_tools(await list_tools())``, cached."""
-        if self._openai is None:
-            self._openai = normalize_openai_tools(await self.list_tools())
-        return self._openai
+    def _listed(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Only ``config.tools`` when set (each must exist)."""
+        wanted = self.config.tools
+        if wanted is None:
+            return tools
+        missing = sorted(set(wanted) - {t["name"] for t in tools})
+        if missing:
+            raise EnvUnavailableError(
+                f"{self.where} has no tool(s) {', '.join(missing)} (mcp.tools); it has: "
+                f"{', '.join(t['name'] for t in tools)}"
+            )
+        return [t for t in tools if t["name"] in wanted]
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None
     ) -> ToolCallResult:
-        """Run tool ``name``; a tool error or a JSON-RPC refusal is ``is_error``, a transport
-        failure raises ``EnvToolCallError`` (``EnvServerDiedError`` if the server died)."""
-        from mcp.shared.exceptions import MCPError
-
-        if not self._ever_opened:
-            self._require()
+        """A tool outside ``config.tools`` is an error result; else see the base class."""
+        self._check_ready()
         if self.config.tools is not None and name not in self.config.tools:
             return ToolCallResult(f"unknown tool {name!r}", True)
-        limit = timeout or self.config.tool_call_timeout
-        attempts = 0
-        try:
-            async for attempt in self._retrying():
-                with attempt:
-                    attempts += 1
-                    await self._preflight()
-                    session = await self._session_for_call()
-                    try:
-                        content, is_error = await session.call_tool(
-                            name, arguments or {}, timeout=limit
-                        )
-                    except SessionDead as e:
-                        if e.retry_safe and not self.config.command:
-                            await self._replace_session()
-                            raise _RetrySafe(e) from e
-                        raise EnvServerDiedError(name, attempts, e, self.where) from e
-                    except MCPError as e:
-                        content, is_error = [{"type": "text", "text": e.error.message}], True
-                    text, cut = render_tool_output(
-                        content,
-                        max_tokens=self.config.max_tool_output_tokens,
-                        images=self.config.tool_images,
-                    )
-                    return ToolCallResult(text, is_error, content, cut)
-        except RetryError as e:
-            raise EnvToolCallError(name, attempts, _cause(e), self.where) from _cause(e)
-        except (asyncio.CancelledError, EnvError):
-            raise
-        except Exception as e:
-            raise EnvToolCallError(name, attempts, e, self.where) from e
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await super().call_tool(name, arguments, timeout=timeout)
 
     async def call_reward(self, arguments: dict[str, Any]) -> Any:
         raise EnvError(
             f"{self.where} has no reward endpoint (plain MCP): give the agent a reward_fn"
         )
-
-
-def _cause(e: RetryError) -> BaseException:
-    cause = e.last_attempt.exception()
-    while isinstance(cause, _RetrySafe):
-        cause = cause.cause
-    assert cause is not None
-    return cause

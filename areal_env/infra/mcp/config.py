@@ -10,12 +10,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_env.api.records import field_dict, strict_from_dict
 from areal_env.infra.aenv.config import redact_url
-from areal_env.infra.base import check_output_options
+from areal_env.infra.base import check_common_options
 
 TRANSPORTS = ("stdio", "http")
 ISOLATION = ("episode", "pool")
-TOOL_ERROR_POLICIES = ("append_error", "raise")
 
 
 class McpConfigError(ValueError):
@@ -128,45 +128,14 @@ class McpConfig:
             not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools)
         ):
             raise bad("tools", "expected a list of tool names, or null for all")
-        for name in ("timeout", "startup_timeout", "tool_call_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise bad(name, "expected a number of seconds > 0")
-        if (
-            isinstance(self.max_retries, bool)
-            or not isinstance(self.max_retries, int)
-            or self.max_retries < 0
-        ):
-            raise bad("max_retries", "expected an integer >= 0")
-        if (
-            isinstance(self.retry_delay, bool)
-            or not isinstance(self.retry_delay, (int, float))
-            or self.retry_delay < 0
-        ):
-            raise bad("retry_delay", "expected a number of seconds >= 0")
-        if self.tool_error_policy not in TOOL_ERROR_POLICIES:
-            raise bad("tool_error_policy", f"valid values: {', '.join(TOOL_ERROR_POLICIES)}")
         if not isinstance(self.name, str) or not self.name:
             raise bad("name", "expected a non-empty label")
-        try:
-            check_output_options("mcp", self.max_tool_output_tokens, self.tool_images)
-        except ValueError as e:
-            raise McpConfigError(str(e)) from None
+        check_common_options(self, bad)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> McpConfig:
         """Build from a mapping (YAML ``workflow_kwargs.mcp_config``); unknown keys are errors."""
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, dict):
-            raise McpConfigError(f"mcp config must be a mapping, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise McpConfigError(
-                f"unknown mcp config key {unknown[0]!r}; valid keys: {', '.join(sorted(names))}"
-            )
-        return cls(**data)
+        return strict_from_dict(cls, data, section="mcp config", error=McpConfigError)
 
     def new(self, **changes: Any) -> McpConfig:
         """A copy with ``changes`` applied (validated)."""
@@ -179,7 +148,7 @@ class McpConfig:
         return f"MCP server {self.name!r} at {', '.join(redact_url(u) for u in self.all_urls)}"
 
     def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown = field_dict(self)
         shown["url"] = redact_url(self.url) if self.url else None
         shown["urls"] = [redact_url(u) for u in self.urls]
         shown["env"] = {k: "***" for k in self.env}

@@ -8,6 +8,7 @@ unknown key lists the valid ones). Each section owns its ``validate()``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -175,9 +176,47 @@ class ProxyConfig:
     and a call of the first offered tool, placeholder arguments) after the system prompt. Weak
     tool callers (SmolLM2-135M) follow the call format far more often with it, but the example
     can solve the task for them, so it is off by default."""
+    rate_limit_rps: float | None = None
+    """Requests per second each session key may make to the model routes (chat completions,
+    Responses, Anthropic messages, count_tokens); a token bucket, refilled at this rate. Past it
+    the proxy answers 429 in the protocol's own error format with ``Retry-After``. None = no
+    limit (the default: the trainer's capacity control already bounds its own agents)."""
+    rate_limit_burst: int | None = None
+    """Requests a session key may send at once before the rate applies (the bucket's size).
+    None = ``max(1, ceil(rate_limit_rps))``, one second's worth."""
 
     def validate(self) -> None:
         check_port("proxy", self.port)
+        rps, burst = self.rate_limit_rps, self.rate_limit_burst
+        if rps is not None and (
+            isinstance(rps, bool)
+            or not isinstance(rps, int | float)
+            or not math.isfinite(rps)
+            or rps <= 0
+        ):
+            raise ConfigError(
+                f"proxy.rate_limit_rps={rps!r} must be a number > 0 (requests per second per "
+                "session key), or null for no limit"
+            )
+        if burst is not None:
+            if rps is None:
+                raise ConfigError(
+                    f"proxy.rate_limit_burst={burst!r} is set but proxy.rate_limit_rps is not: "
+                    "set proxy.rate_limit_rps (e.g. 5) to turn the limit on, or remove "
+                    "rate_limit_burst"
+                )
+            if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+                raise ConfigError(
+                    f"proxy.rate_limit_burst={burst!r} must be an integer >= 1 (requests "
+                    "allowed at once), or null for one second's worth"
+                )
+
+    def rate_limit(self) -> tuple[float, int] | None:
+        """``(requests per second, burst)`` per session key, or None when unlimited."""
+        if self.rate_limit_rps is None:
+            return None
+        rps = float(self.rate_limit_rps)
+        return rps, self.rate_limit_burst or max(1, math.ceil(rps))
         if self.session_ttl <= 0:
             raise ConfigError(f"proxy.session_ttl={self.session_ttl!r} must be > 0")
         for name in ("max_sessions", "max_interactions_per_session", "max_tokens_per_session"):

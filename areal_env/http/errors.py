@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from areal_env.http.codec import dumps
+from areal_env.http.ratelimit import retry_after_headers
 from areal_env.http.routes import is_anthropic_route
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class HTTPError(Exception):
     _: KW_ONLY
     param: str | None = None
     code: str | None = None
+    retry_after: float | None = None
+    """Seconds after which a retry may succeed (429, 503): sent as ``Retry-After``."""
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -102,7 +105,9 @@ def error_body(path: str, err: HTTPError) -> dict[str, Any]:
 
 
 def error_response(path: str, err: HTTPError) -> Response:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+    if err.retry_after is not None:
+        headers.update(retry_after_headers(err.retry_after))
     return Response(
         dumps(error_body(path, err)),
         status_code=err.status,

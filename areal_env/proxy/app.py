@@ -96,7 +96,7 @@ def _completion_routes(app: FastAPI, state: ProxyState) -> None:
 
     async def complete(request: Request, proto: WireProtocol) -> Response:
         state.counters["requests"] += 1
-        session = state.registry.by_key(request_key(request))
+        session = state.registry.admit(request_key(request))
         creq = proto.parse(await read_json(request))
         if "previous_response_id" in creq.extra:
             _apply_previous_response(session, creq)
@@ -124,7 +124,7 @@ def _info_routes(app: FastAPI, state: ProxyState) -> None:
 
     @app.post(routes.COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
-        state.registry.by_key(request_key(request))
+        state.registry.admit(request_key(request))
         creq = anthropic.parse_request(
             {"max_tokens": 1, **(await read_json(request, object_only=True))}
         )

@@ -99,6 +99,7 @@ class ProxyState:
             ttl=cfg.session_ttl,
             max_sessions=cfg.max_sessions,
             initial_capacity=cfg.initial_capacity,
+            rate_limit=cfg.rate_limit(),
         )
         self.token_texts = TokenTexts(tokenizer)
         self._skip_ids = frozenset(self.renderer.stop_token_ids) | frozenset(engine.eos_token_ids)
@@ -399,6 +400,7 @@ class ProxyState:
             "sessions_started": self.registry.total_started,
             "sessions_expired": self.registry.total_expired,
             "capacity": self.registry.capacity,
+            "rate_limited": self.registry.total_rate_limited,
             "engine_version": version,
             "uptime_s": round(time.time() - self.started_at, 3),
             "requests": dict(self.counters),

@@ -166,6 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--session-ttl", type=float, default=3600.0, help="idle session lifetime, seconds"
     )
+    p.add_argument(
+        "--rate-limit-rps",
+        type=float,
+        default=None,
+        help="model requests per second per session key (default: no limit)",
+    )
+    p.add_argument(
+        "--rate-limit-burst",
+        type=int,
+        default=None,
+        help="requests a session key may send at once (default: one second's worth)",
+    )
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-context-len", type=int, default=None)
     args = p.parse_args(argv)
@@ -175,7 +187,16 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.model or DEFAULT_MODEL
     path = str(resolve_model_path(name))
-    options = ("host", "port", "admin_key", "tool_parser", "initial_capacity", "session_ttl")
+    options = (
+        "host",
+        "port",
+        "admin_key",
+        "tool_parser",
+        "initial_capacity",
+        "session_ttl",
+        "rate_limit_rps",
+        "rate_limit_burst",
+    )
     cfg = ProxyConfig(model_name=name, **{k: getattr(args, k) for k in options})
     try:
         cfg.validate()

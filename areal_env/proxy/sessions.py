@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_env.http.ratelimit import TokenBucket
 from areal_env.proxy.protocols.errors import ProxyError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class Session:
     ended: bool = False
     in_flight: int = 0
     stats: SessionStats = field(default_factory=SessionStats)
+    bucket: TokenBucket | None = None
+    """This key's request rate (``proxy.rate_limit_rps``); None = unlimited."""
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -94,6 +97,7 @@ class SessionRegistry:
         ended_ttl: float = 600.0,
         max_sessions: int = 1024,
         initial_capacity: int | None = None,
+        rate_limit: tuple[float, int] | None = None,
     ) -> None:
         if not admin_key:
             raise ValueError("admin_key must be a non-empty string")
@@ -103,6 +107,8 @@ class SessionRegistry:
         self.ended_ttl = min(float(ended_ttl), self.ttl)
         self.max_sessions = int(max_sessions)
         self.capacity: int | None = initial_capacity
+        self.rate_limit = rate_limit
+        self.total_rate_limited = 0
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[bytes, Session] = {}
         self._expired: OrderedDict[bytes, str] = OrderedDict()
@@ -153,6 +159,7 @@ class SessionRegistry:
                 task_id=task_id,
                 group_id=group_id,
                 metadata=dict(metadata or {}),
+                bucket=TokenBucket(*self.rate_limit) if self.rate_limit else None,
             )
             self._by_id[sid] = session
             self._by_key[session.key_digest] = session
@@ -174,6 +181,25 @@ class SessionRegistry:
         if session.ended and not allow_ended:
             raise ProxyError(409, f"session {session.id} has ended", code="session_ended")
         session.touch()
+        return session
+
+    def admit(self, key: str | None) -> Session:
+        """``by_key`` for a model call: also takes one request from the key's rate bucket, or
+        refuses with 429 and the seconds to wait (``proxy.rate_limit_rps``). Only model calls
+        are limited: an agent past its rate can still set its reward and end its session."""
+        session = self.by_key(key)
+        if session.bucket is not None:
+            wait = session.bucket.take()
+            if wait > 0:
+                self.total_rate_limited += 1
+                rps, burst = self.rate_limit or (0.0, 0)
+                raise ProxyError(
+                    429,
+                    f"rate limit: a session key may make {rps:g} model requests per second "
+                    f"(burst {burst}); retry after {wait:.2f}s",
+                    code="rate_limit_exceeded",
+                    retry_after=wait,
+                )
         return session
 
     def get(self, session_id: str) -> Session:

@@ -99,8 +99,7 @@ class ServiceError(HTTPError):
         retry_after: float | None = None,
         code: str | None = None,
     ) -> None:
-        super().__init__(status, message, code=code)
-        self.retry_after = retry_after
+        super().__init__(status, message, code=code, retry_after=retry_after)
 
 
 @dataclass
@@ -843,10 +842,7 @@ class Gateway:
         @app.exception_handler(ServiceError)
         async def _service_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, ServiceError)
-            resp = error_response(request.url.path, exc)
-            if exc.retry_after is not None:
-                resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-            return resp
+            return error_response(request.url.path, exc)  # Retry-After included
 
         async def json_body(request: Request) -> dict:
             try:

@@ -1424,8 +1424,10 @@ def fault_env_server(tokenizer: Any, how: str) -> int:
 
             async def batch() -> Any:
                 try:
+                    # the tool call fails at tool_timeout; closing the MCP session of a frozen
+                    # server takes up to 10 s more (McpSession.close: 5 s graceful, 5 s cancel)
                     return await asyncio.wait_for(
-                        ex.rollout_batch(items, trainer_version=0), 8 * tool_timeout
+                        ex.rollout_batch(items, trainer_version=0), tool_timeout + 60
                     )
                 finally:
                     await ex.aclose()

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from areal_env.http import routes
+from areal_env.http.net import port_is_free
 
 if TYPE_CHECKING:
     from areal_env.api.config import ExperimentConfig
@@ -210,16 +211,6 @@ def _watch(parent: int, pgids: list[int]) -> int:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(g, signal.SIGKILL)
     return 0
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,13 +10,14 @@ carry on with the new weights, and each output token records the weight version 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -302,6 +303,22 @@ class LocalEngine:
     def paused(self) -> bool:
         return self._paused
 
+    @contextlib.contextmanager
+    def _at_step_boundary(self) -> Iterator[None]:
+        """Hold the decode loop between two steps while the block runs (waits for the running
+        step to finish; generation continues afterwards)."""
+        self._require_alive()
+        with self._cv:
+            self._holders += 1
+            while self._in_step:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holders -= 1
+                self._cv.notify_all()
+
     def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
         """Swap in new weights between two decode steps, then bump the version.
 
@@ -309,12 +326,7 @@ class LocalEngine:
         HF model folder. Blocks until the swap is done; safe to call from any thread. In-flight
         requests continue with the new weights.
         """
-        self._require_alive()
-        with self._cv:
-            self._holders += 1
-            while self._in_step:
-                self._cv.wait()
-        try:
+        with self._at_step_boundary():
             t0 = time.perf_counter()
             if isinstance(weights, (str, os.PathLike)) and is_adapter_folder(weights):
                 self._apply_adapter(str(weights))
@@ -339,29 +351,16 @@ class LocalEngine:
             logger.info(
                 "weights updated to version %d in %.2fs", self._version, time.perf_counter() - t0
             )
-        finally:
-            with self._cv:
-                self._holders -= 1
-                self._cv.notify_all()
 
     def set_prefix_cache_mb(self, mb: float) -> None:
         """Resize (and empty) the prefix cache at a step boundary; 0 turns it off."""
         if mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {mb!r}")
-        self._require_alive()
-        with self._cv:
-            self._holders += 1
-            while self._in_step:
-                self._cv.wait()
-        try:
+        with self._at_step_boundary():
             self.prefix_cache_mb = mb
             self._prefix = PrefixCache(
                 self._prefix_budget_tokens(self.model.config, self.model.dtype)
             )
-        finally:
-            with self._cv:
-                self._holders -= 1
-                self._cv.notify_all()
 
     def _apply_adapter(self, path: str) -> None:
         """Merge a LoRA adapter into the weights: ``W = W_base + (alpha / r) * B @ A``, always

@@ -39,6 +39,17 @@ def bind_socket(host: str, port: int, *, inheritable: bool = False) -> socket.so
     return sock
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """True when ``host:port`` can be bound now (nothing listens on it or holds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def url_host(host: str) -> str:
     """``host`` as written in a URL: wildcard addresses read as loopback, IPv6 in brackets."""
     shown = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

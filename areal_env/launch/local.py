@@ -16,7 +16,6 @@ doing exactly that under ``srun``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shlex
@@ -27,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.cli_args import experiment_parser, load_experiment
+from areal_env.api.config import ExperimentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +163,8 @@ class Launch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="areal-env launch",
-        description="Start inference servers, then the torchrun trainer ranks (FSDP).",
-    )
-    ap.add_argument("config", help="YAML file with an ExperimentConfig")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n_samples=8")
+    prog = "areal-env launch"
+    ap = experiment_parser(prog, "Start inference servers, then the torchrun trainer ranks (FSDP).")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks on this node")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--node-rank", type=int, default=0)
@@ -179,10 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8, help="with --slurm")
     ap.add_argument("--submit", action="store_true", help="with --slurm: sbatch the script")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(ExperimentConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"areal-env launch: {e}", file=sys.stderr)
+    cfg = load_experiment(prog, args)
+    if cfg is None:
         return 2
     if args.slurm:
         from areal_env.launch.slurm import sbatch_script, submit

@@ -64,17 +64,8 @@ class UserKey:
         return view
 
     def record(self) -> KeyRecord:
-        return KeyRecord(
-            digest=self.digest,
-            key_id=self.key_id,
-            name=self.name,
-            max_sessions=self.max_sessions,
-            tokens_per_minute=self.tokens_per_minute,
-            max_tokens=self.max_tokens,
-            issued=self.issued,
-            revoked=self.revoked,
-            tokens_used=self.tokens_used,
-        )
+        """What the store keeps of this key (its counters and limits; no live state)."""
+        return KeyRecord(**field_dict(self, exclude=("open_sessions", "window")))
 
 
 class QuotaExceededError(RuntimeError):
@@ -114,17 +105,7 @@ class KeyStore:
 
     @staticmethod
     def _from_record(rec: KeyRecord) -> UserKey:
-        return UserKey(
-            key_id=rec.key_id,
-            name=rec.name,
-            max_sessions=rec.max_sessions,
-            tokens_per_minute=rec.tokens_per_minute,
-            max_tokens=rec.max_tokens,
-            issued=rec.issued,
-            revoked=rec.revoked,
-            tokens_used=rec.tokens_used,
-            digest=rec.digest,
-        )
+        return UserKey(**field_dict(rec, exclude=("created",)))
 
     def add(
         self,

@@ -415,12 +415,15 @@ class Gateway:
                 if sess.backend is backend and sess.state in ("open", "finalizing"):
                     self._fail_session(sess, reason)
 
-    async def _admin_post(self, backend: Backend, path: str, payload: dict) -> httpx.Response:
+    async def _post(
+        self, backend: Backend, path: str, payload: dict, bearer: str, unreachable: str
+    ) -> httpx.Response:
+        """POST to a backend; a transport failure marks it down and answers 503."""
         try:
             return await self.http.post(
                 backend.base_url + path,
                 json=payload,
-                headers={"Authorization": f"Bearer {backend.admin_key}"},
+                headers={"Authorization": f"Bearer {bearer}"},
             )
         except httpx.TransportError as e:
             self._backend_down(
@@ -428,24 +431,17 @@ class Gateway:
                 f"{type(e).__name__} on {path}",
                 conclusive=isinstance(e, httpx.ConnectError),
             )
-            raise ServiceError(503, f"backend {backend.name} is unreachable") from e
+            raise ServiceError(503, unreachable) from e
+
+    async def _admin_post(self, backend: Backend, path: str, payload: dict) -> httpx.Response:
+        unreachable = f"backend {backend.name} is unreachable"
+        return await self._post(backend, path, payload, backend.admin_key, unreachable)
 
     async def _session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
         backend = sess.backend
         assert backend is not None, "closed sessions have no backend"
-        try:
-            return await self.http.post(
-                backend.base_url + path,
-                json=payload,
-                headers={"Authorization": f"Bearer {sess.session_key}"},
-            )
-        except httpx.TransportError as e:
-            self._backend_down(
-                backend,
-                f"{type(e).__name__} on {path}",
-                conclusive=isinstance(e, httpx.ConnectError),
-            )
-            raise ServiceError(503, f"the backend of session {sess.id} is unreachable") from e
+        unreachable = f"the backend of session {sess.id} is unreachable"
+        return await self._post(backend, path, payload, sess.session_key, unreachable)
 
     def _check_quota(self, user: UserKey) -> None:
         try:
@@ -1095,29 +1091,10 @@ def check_port(host: str, port: int) -> None:
 class GatewayServer:
     """Runs a ``Gateway`` in the toolkit's ``ServerThread`` (uvicorn, its own event loop)."""
 
-    def __init__(
-        self,
-        config: ServiceConfig | None = None,
-        *,
-        backends: list[tuple[str, str]] | None = None,
-        source: Any | None = None,
-        discount: float = 1.0,
-        export_style: str = "individual",
-        anonymous_sessions: bool = False,
-        store: ServiceStore | None = None,
-        max_new_tokens: int | None = None,
-    ) -> None:
+    def __init__(self, config: ServiceConfig | None = None, **options: Any) -> None:
+        """``options``: ``Gateway``'s keyword arguments (backends, source, store, ...)."""
         self.config = config or ServiceConfig()
-        self.gateway = Gateway(
-            self.config,
-            backends=backends,
-            source=source,
-            discount=discount,
-            export_style=export_style,
-            anonymous_sessions=anonymous_sessions,
-            store=store,
-            max_new_tokens=max_new_tokens,
-        )
+        self.gateway = Gateway(self.config, **options)
         self._server: ServerThread | None = None
         self.port: int | None = None
 

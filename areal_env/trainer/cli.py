@@ -7,7 +7,6 @@ Relative paths are tried against the working directory first, then the config fi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -15,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.cli_args import experiment_parser, fail, load_experiment
+from areal_env.api.config import ExperimentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,25 +60,19 @@ def summarize(final: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="areal-env train",
-        description="Train a model with PPO/GRPO on an agent workflow, from a YAML config.",
+    prog = "areal-env train"
+    ap = experiment_parser(
+        prog, "Train a model with PPO/GRPO on an agent workflow, from a YAML config."
     )
-    ap.add_argument("config", help="YAML file with an ExperimentConfig")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n_samples=8")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(ExperimentConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"areal-env train: {e}", file=sys.stderr)
+    loaded = load_experiment(prog, args)
+    if loaded is None:
         return 2
-    cfg = resolve_paths(cfg, Path(args.config))
+    cfg = resolve_paths(loaded, Path(args.config))
     if not cfg.train_dataset:
-        print("areal-env train: set train_dataset (a JSONL path) in the config", file=sys.stderr)
-        return 2
+        return fail(prog, "set train_dataset (a JSONL path) in the config")
     if not cfg.workflow:
-        print("areal-env train: set workflow (the agent to train) in the config", file=sys.stderr)
-        return 2
+        return fail(prog, "set workflow (the agent to train) in the config")
     from areal_env.trainer.ppo import PPOTrainer
 
     with PPOTrainer(cfg, cfg.train_dataset, cfg.valid_dataset) as trainer:

@@ -9,44 +9,38 @@ tools file first (as ``examples/aenv`` needs) and points ``workflow_kwargs.aenv_
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import sys
 from pathlib import Path
 
-from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.cli_args import experiment_parser, fail, load_experiment
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="areal-env eval", description=__doc__.splitlines()[0])
-    ap.add_argument("config", help="YAML file with an ExperimentConfig")
+    prog = "areal-env eval"
+    ap = experiment_parser(
+        prog, __doc__.splitlines()[0], overrides_help="dotted overrides, e.g. model.num_threads=1"
+    )
     ap.add_argument("--checkpoint", default=None, help="checkpoint/run/HF folder (default: base)")
     ap.add_argument("--dataset", default=None, help="JSONL to evaluate on (default: valid_dataset)")
     ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N items")
     ap.add_argument("--out", default=None, help="output folder (default: run_dir/eval-<label>)")
     ap.add_argument("--env-tools", default=None, help="start aenvironment servers for this file")
     ap.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_threads=1")
     args = ap.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(ExperimentConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"areal-env eval: {e}", file=sys.stderr)
+    loaded = load_experiment(prog, args)
+    if loaded is None:
         return 2
     from areal_env.trainer.cli import resolve_paths
     from areal_env.trainer.data import load_items
     from areal_env.trainer.eval import arun_evaluation, format_result
 
-    cfg = resolve_paths(cfg, Path(args.config))
+    cfg = resolve_paths(loaded, Path(args.config))
     dataset = args.dataset or cfg.valid_dataset
     if not dataset:
-        print(
-            "areal-env eval: no held-out data: set valid_dataset in the config or pass --dataset",
-            file=sys.stderr,
-        )
-        return 2
+        return fail(prog, "no held-out data: set valid_dataset in the config or pass --dataset")
     items = list(load_items(dataset))[: args.limit]
     kwargs = dict(cfg.workflow_kwargs)
     with contextlib.ExitStack() as stack:
@@ -70,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         except FileNotFoundError as e:
-            print(f"areal-env eval: {e}", file=sys.stderr)
-            return 2
+            return fail(prog, str(e))
     out = args.out or "run_dir"
     print(format_result(result, args.out))
     if args.json:

@@ -26,29 +26,30 @@ def reset_peak() -> bool:
         return False
 
 
-def peak_rss_gb() -> float:
-    """Peak resident set size (GiB) since the last :func:`reset_peak` (or process start)."""
+def _proc_status_gb(field: str) -> float | None:
+    """A ``/proc/self/status`` memory line (``VmHWM``, ``VmRSS``) in GiB; None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024 / _GIB
     except OSError:
         pass
+    return None
+
+
+def peak_rss_gb() -> float:
+    """Peak resident set size (GiB) since the last :func:`reset_peak` (or process start)."""
+    peak = _proc_status_gb("VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / _GIB if sys.platform == "darwin" else rss * 1024 / _GIB
 
 
 def rss_gb() -> float:
     """Current resident set size (GiB)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / _GIB
-    except OSError:
-        pass
-    return 0.0
+    return _proc_status_gb("VmRSS") or 0.0
 
 
 def process_peak_rss_gb() -> float:

@@ -19,7 +19,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import httpx
 from filelock import FileLock
+
+from areal_env.http.net import port_is_free
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +144,7 @@ def ensure_aenv_python(
 
 def port_in_use(host: str, port: int = DATA_PORT) -> bool:
     """True when something accepts connections (or holds the port) on ``host:port``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
+    return not port_is_free(host, port)
 
 
 def free_loopback_hosts(n: int, start: int = 50, stop: int = 250) -> list[str]:

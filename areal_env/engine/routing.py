@@ -4,7 +4,8 @@ New requests go to the least-loaded server that is not marked down (fewest gener
 flight; ties round-robin); a request whose
 ``metadata["session_id"]`` (or ``conversation_id``/``sticky_key``) or ``rid`` was seen before
 goes to the same server, so multi-turn agents reuse that server's prefix cache. A server marked
-down is skipped for new requests for ``down_cooldown`` seconds.
+down is skipped for new requests for ``down_cooldown`` seconds; a dropped one (it missed a weight
+update) for good.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ServerRouter:
         with self._lock:
             for key in keys:
                 addr = self._sticky.get(key)
-                if addr is not None:
+                if addr is not None and addr in self.addresses:
                     self._sticky.move_to_end(key)
                     self._remember(keys, addr)
                     return addr, True
@@ -114,6 +115,18 @@ class ServerRouter:
         """From now on ``req``'s session and rid go to ``addr`` (after a failover)."""
         with self._lock:
             self._remember(self._keys(req), addr)
+
+    def drop(self, addr: str) -> None:
+        """Take ``addr`` out of the rotation for good (it missed a weight update: serving from it
+        again would mean stale weights). Its sessions' next turns go to another server."""
+        with self._lock:
+            if addr in self.addresses:
+                self.addresses.remove(addr)
+            for key in [k for k, a in self._sticky.items() if a == addr]:
+                del self._sticky[key]
+            self._down_until.pop(addr, None)
+            self._inflight.pop(addr, None)
+            self._rr = 0
 
     def mark_down(self, addr: str) -> None:
         with self._lock:

@@ -119,6 +119,8 @@ class SGLangEngine:
         self._version = 0
         self._lock = threading.Lock()
         self.router = ServerRouter(self.addresses, down_cooldown)
+        self.dropped: list[str] = []
+        """Servers taken out for good: they missed a weight update (see ``_broadcast``)."""
         self._resumed = threading.Event()
         self._resumed.set()
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -307,10 +309,20 @@ class SGLangEngine:
             raise self._unavailable(addr, e) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _broadcast(self, path: str, body: dict | None = None) -> list[Any]:
-        """POST to every server (in parallel threads: a slow weight load must not serialise)."""
-        results: list[Any] = [None] * len(self.addresses)
-        errors: list[BaseException | None] = [None] * len(self.addresses)
+    def _broadcast(
+        self, path: str, body: dict | None = None, *, drop_unreachable: bool = False
+    ) -> list[Any]:
+        """POST to every server (in parallel threads: a slow weight load must not serialise).
+
+        ``drop_unreachable`` (weight updates and the pause/continue around them): servers that stay unreachable through the retries
+        (killed, crashed) while at least one other server succeeded are dropped from the
+        rotation for good, by address, and the call succeeds with the rest: a dead server
+        serves nothing, and one that comes back would serve stale weights, so it never gets
+        traffic again. A server that answers but fails to load, or all servers failing, raise.
+        """
+        addresses = list(self.addresses)
+        results: list[Any] = [None] * len(addresses)
+        errors: list[BaseException | None] = [None] * len(addresses)
 
         def one(i: int, addr: str) -> None:
             try:
@@ -319,20 +331,28 @@ class SGLangEngine:
                 errors[i] = e
 
         threads = [
-            threading.Thread(target=one, args=(i, a), daemon=True)
-            for i, a in enumerate(self.addresses)
+            threading.Thread(target=one, args=(i, a), daemon=True) for i, a in enumerate(addresses)
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        failed = [(a, e) for a, e in zip(self.addresses, errors, strict=True) if e is not None]
+        failed = [(a, e) for a, e in zip(addresses, errors, strict=True) if e is not None]
+        if (
+            drop_unreachable
+            and failed
+            and len(failed) < len(addresses)
+            and all(type(e) is EngineUnavailableError for _, e in failed)
+        ):
+            for addr, e in failed:
+                self._drop(addr, f"{path} failed: {e}")
+            return [r for r, e in zip(results, errors, strict=True) if e is None]
         if len(failed) == 1:
             raise failed[0][1]  # type: ignore[misc]
         if failed:
             # Every failing server by address, as the first failure's type when all agree.
             detail = "; ".join(f"{a}: {type(e).__name__}: {e}" for a, e in failed)
-            message = f"{path} failed on {len(failed)} of {len(self.addresses)} servers: {detail}"
+            message = f"{path} failed on {len(failed)} of {len(addresses)} servers: {detail}"
             kinds = {type(e) for _, e in failed}
             kind = kinds.pop() if len(kinds) == 1 else EngineUnavailableError
             if kind not in (ValueError, RuntimeError, EngineUnavailableError):
@@ -544,12 +564,13 @@ class SGLangEngine:
     def pause(self) -> None:
         """Pause every server; in-flight requests are aborted and continued after ``resume()``."""
         self._resumed.clear()
-        self._broadcast(routes.PAUSE_GENERATION, {"mode": "abort"})
+        # pause/continue frame every weight update: a dead server is dropped here already
+        self._broadcast(routes.PAUSE_GENERATION, {"mode": "abort"}, drop_unreachable=True)
 
     def resume(self) -> None:
         """Continue every server; held requests proceed even if one server cannot be reached."""
         try:
-            self._broadcast(routes.CONTINUE_GENERATION, {})
+            self._broadcast(routes.CONTINUE_GENERATION, {}, drop_unreachable=True)
         finally:
             self._resumed.set()
 
@@ -574,6 +595,7 @@ class SGLangEngine:
             results = self._broadcast(
                 routes.UPDATE_WEIGHTS_FROM_DISK,
                 {"model_path": path, "weight_version": str(new_version), "flush_cache": True},
+                drop_unreachable=True,
             )
             for addr, res in zip(self.addresses, results, strict=True):
                 if isinstance(res, dict) and res.get("success") is False:
@@ -589,6 +611,18 @@ class SGLangEngine:
                         raise
                     logger.exception("resume after the weight update failed")
 
+    def _drop(self, addr: str, why: str) -> None:
+        """Out of the rotation for good (see ``_broadcast``); loud, by address."""
+        self.router.drop(addr)  # also removes it from self.addresses (the same list)
+        self.dropped.append(addr)
+        logger.error(
+            "inference server %s dropped: it missed a weight update (%s); %d server(s) left: %s",
+            addr,
+            why,
+            len(self.addresses),
+            self.addresses,
+        )
+
     def get_version(self) -> int:
         return self._version
 
@@ -599,7 +633,11 @@ class SGLangEngine:
 
     def stats(self) -> dict[str, float]:
         """Server counts (per-server engine stats live behind ``/get_server_info``)."""
-        return {"servers": float(len(self.addresses)), "servers_up": float(self.router.up())}
+        return {
+            "servers": float(len(self.addresses)),
+            "servers_up": float(self.router.up()),
+            "servers_dropped": float(len(self.dropped)),
+        }
 
     def health(self) -> dict[str, bool]:
         """``{address: healthy}`` from one ``GET /health`` each (no retries)."""

@@ -205,8 +205,13 @@ class ProxyState:
         )
 
     def model_request(self, prep: Prepared) -> ModelRequest:
+        # the session id pins every turn to one inference server (SGLangEngine's routing), so
+        # later turns reuse that server's prefix cache
         return ModelRequest(
-            input_ids=prep.prompt_ids, gconfig=prep.gconfig, rid=prep.interaction_id
+            input_ids=prep.prompt_ids,
+            gconfig=prep.gconfig,
+            rid=prep.interaction_id,
+            metadata={"session_id": prep.session.id},
         )
 
     # ---- engine result → recorded interaction ------------------------------------------------

@@ -26,8 +26,7 @@ from areal_env.api.config import ProxyConfig, RolloutConfig
 from areal_env.engine.sglang import SGLangEngine
 from areal_env.http.net import bind_socket
 from areal_env.proxy.server import ProxyServer
-from areal_env.workflow.executor import RolloutExecutor
-from areal_env.workflow.resolve import resolve_workflow
+from tests.fixtures.proxy import proxy_executor
 from tests.unit.test_faults_inference_server import _kill, _start
 
 TURNS = 3
@@ -71,20 +70,7 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
         proxy = ProxyServer(eng, tokenizer, ProxyConfig(default_max_tokens=8), model_name="m")
         with proxy:
             rollout = RolloutConfig(n_samples=2, batch_size=4, max_concurrent_rollouts=8)
-            wf = resolve_workflow(
-                ThreeTurnAgent(),
-                rollout=rollout,
-                proxy_base_url=proxy.base_url,
-                admin_key=proxy.admin_key,
-            )
-            ex = RolloutExecutor(
-                eng,
-                wf,
-                rollout,
-                proxy_base_url=proxy.base_url,
-                admin_key=proxy.admin_key,
-                show_progress=False,
-            )
+            ex = proxy_executor(eng, ThreeTurnAgent(), rollout, proxy)
             items = [{"id": f"t{i}", "prompt": f"Tell me about {i}."} for i in range(8)]
 
             async def first_batch():

@@ -132,6 +132,19 @@ def _rank_pid(rank: int, marker: str) -> int | None:
     return None
 
 
+def launch_cmd(config: Path, nproc: int = 2) -> list[str]:
+    """``areal-env launch CONFIG`` with ``nproc`` ranks on a free rendezvous port."""
+    return [
+        sys.executable,
+        "-m",
+        "areal_env.cli",
+        "launch",
+        str(config),
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_launch_servers_and_ranks_kill_a_rank_then_resume(tmp_path):
@@ -156,15 +169,7 @@ def test_launch_servers_and_ranks_kill_a_rank_then_resume(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "out" / "launch" / "t"
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_env.cli",
-        "launch",
-        str(config),
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    ]
+    cmd = launch_cmd(config)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "run1.log").open("w")
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.distributed.run import free_port
+from tests.unit.test_launch import launch_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "examples" / "aenv" / "env_tools.py"
@@ -74,15 +73,7 @@ def test_launch_aenv_agent_two_ranks_two_servers(tmp_path):
         config = tmp_path / "config.yaml"
         config.write_text(yaml.safe_dump(cfg))
         run_dir = tmp_path / "out" / "launch-aenv" / "t"
-        cmd = [
-            sys.executable,
-            "-m",
-            "areal_env.cli",
-            "launch",
-            str(config),
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-        ]
+        cmd = launch_cmd(config)
         env_vars = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         log_path = tmp_path / "launch.log"
         with log_path.open("w") as log:

@@ -181,7 +181,12 @@ class ProxyState:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 greedy=sampling.greedy,
-                stop=creq.stop,
+                stop=_with_call_stop(
+                    creq.stop,
+                    self.renderer.required_call_stop(creq.tools, creq.tool_choice)
+                    if self.config.constrain_required and creq.parse_tools
+                    else [],
+                ),
                 stop_token_ids=list(self.renderer.stop_token_ids),
                 seed=creq.seed,
                 prefix_choices=(
@@ -430,3 +435,10 @@ def engine_errors():
         raise bad_request(str(e)) from None
     except StopAsyncIteration:
         raise ProxyError(503, "inference engine ended the stream without a result") from None
+
+
+def _with_call_stop(stop: list[str] | None, call_stop: list[str]) -> list[str] | None:
+    """The request's stop strings plus the end of a required reply's call block."""
+    if not call_stop:
+        return stop
+    return [*(stop or []), *(s for s in call_stop if s not in (stop or []))]

@@ -450,6 +450,15 @@ class ChatRenderer:
         choices = [self._encode(t) for t in starts]
         return [c for c in choices if c] or None
 
+    def required_call_stop(self, tools: Any, tool_choice: Any) -> list[str]:
+        """Stop strings of a ``tool_choice: required`` reply: the end of its call block, when
+        the format closes all calls with one (hermes list form), so the reply is the call and
+        nothing after it (as with guided decoding). Empty otherwise."""
+        if tool_choice != "required" or not self._offered_tools(tools, tool_choice):
+            return []
+        end = self._format.calls_end
+        return [end] if end else []
+
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None
     ) -> list[int]:

@@ -102,6 +102,10 @@ class ToolParser:
     name = "none"
     #: What the format looks like, shown to the model in the injected instructions.
     call_format_hint = ""
+    #: Text that closes ALL of a reply's calls (one block holds every call), or None. A reply
+    #: under ``tool_choice: required`` stops there: what a model writes after its call block
+    #: (a guessed result, "The answer is ...") is never sent on, only trained on and shown back.
+    calls_end: str | None = None
 
     def parse(self, text: str) -> ParseResult:
         """Split ``text`` into content and calls; never raises."""
@@ -205,6 +209,7 @@ class HermesParser(ToolParser):
     name = "hermes"
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    calls_end: str | None = "</tool_call>"  # the list form: one block holds every call
     call_format_hint = (
         '<tool_call>[{"name": "func_name1", "arguments": {"argument1": "value1", '
         '"argument2": "value2"}}]</tool_call>'
@@ -259,6 +264,7 @@ class QwenParser(HermesParser):
     """Like hermes, but formats one JSON object per ``<tool_call>`` tag (Qwen2.5/Hermes-2 style)."""
 
     name = "qwen"
+    calls_end = None  # one tag per call: parallel calls follow the first closing tag
     call_format_hint = (
         '<tool_call>\n{"name": "func_name1", "arguments": {"argument1": "value1"}}\n</tool_call>'
     )

@@ -7,7 +7,10 @@ peak from ``getrusage`` is reported instead.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import os
 import resource
 import sys
 
@@ -58,4 +61,70 @@ def process_peak_rss_gb() -> float:
     return rss / _GIB if sys.platform == "darwin" else rss * 1024 / _GIB
 
 
-__all__ = ["peak_rss_gb", "process_peak_rss_gb", "reset_peak", "rss_gb"]
+# mallopt parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+#: Blocks at least this large are mmap'ed, so freeing them gives the pages back at once.
+MMAP_THRESHOLD_BYTES = 256 * 1024
+_tuned: bool | None = None
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt  # noqa: B018 - glibc only (musl has no mallopt)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def tune_allocator() -> bool:
+    """Keep freed tensor memory from piling up in glibc's heap (call once, early; idempotent).
+
+    Why: glibc raises its mmap threshold each time an mmap'ed block is freed (up to 32 MB), so
+    after the first few steps every activation, KV buffer and logits block of a training step
+    (1-32 MB each) comes from the heap arenas instead. Freed heap blocks are rarely given back:
+    the fragments of one step's rollout and update stay resident, and the process grew from 5 GB
+    to 13.8 GB over five demo steps on the 135M model. A fixed threshold (which also turns off
+    the dynamic raise) and two arenas keep the resident size at what is live.
+    ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_ARENA_MAX`` in the environment take precedence.
+    """
+    global _tuned
+    if _tuned is not None:
+        return _tuned
+    libc = _libc()
+    if libc is None:
+        _tuned = False
+        return False
+    ok = True
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and ok
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)) and ok
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        ok = bool(libc.mallopt(_M_ARENA_MAX, 2)) and ok
+    if not ok:
+        logger.warning("mallopt refused a setting: memory may grow with fragmentation")
+    _tuned = ok
+    return ok
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (``malloc_trim``); cheap, between steps."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+__all__ = [
+    "peak_rss_gb",
+    "process_peak_rss_gb",
+    "release_free_memory",
+    "reset_peak",
+    "rss_gb",
+    "tune_allocator",
+]

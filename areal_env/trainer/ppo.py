@@ -95,6 +95,7 @@ class PPOTrainer:
         executor: BatchSource | None = None,
     ) -> None:
         validate_config(config)
+        memory.tune_allocator()  # before the models load: see memory.tune_allocator
         self.config = config
         source = source if source is not None else executor
         self.external = source is not None
@@ -233,6 +234,7 @@ class PPOTrainer:
                     await self._run_evaluation()
             while total is None or self.step < total:
                 t_step = time.perf_counter()
+                memory.release_free_memory()
                 memory.reset_peak()
                 fetched = await self._fetch_batch(source)
                 if fetched is None:  # the source was closed: keep what was trained

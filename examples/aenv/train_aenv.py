@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="do not resume from a checkpoint of an earlier run (trainer.recover=off)",
     )
     p.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,6 +87,7 @@ def test_required_call_names_an_offered_tool(engine):
     proxy = ProxyServer(engine, engine.tokenizer, ProxyConfig(default_max_tokens=32)).start()
     try:
         names = set()
+        ends = 0
         for i, question in enumerate(["What is 3 times 4?", "Add 10 and 5.", "Hello!"]):
             sid, key = open_session(proxy)
             client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
@@ -102,6 +103,11 @@ def test_required_call_names_an_offered_tool(engine):
             (info,) = export_session(proxy, sid)["interactions"]
             assert info["completion_text"].split('"')[0] in ("plus", "times")
             assert '"arguments": {"x": ' in info["completion_text"]
+            if "</tool_call>" in info["completion_text"]:
+                # the reply is the call: generation stops at the end of the call block
+                assert info["completion_text"].endswith("</tool_call>"), info["completion_text"]
+                assert not r.choices[0].message.content
+                ends += 1
             for call in r.choices[0].message.tool_calls or []:
                 assert call.function.name in ("plus", "times")
                 try:
@@ -113,5 +119,6 @@ def test_required_call_names_an_offered_tool(engine):
                 names.add(call.function.name)
                 assert "x" in arguments
         assert names  # at least one call parsed completely
+        assert ends  # and at least one closed its block (and stopped there)
     finally:
         proxy.stop()

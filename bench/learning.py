@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             "zero_variance_groups_per_step": [int(s.get("groups/zero_variance", 0)) for s in steps],
             "eval_s": [round(e.get("time_s", 0.0), 1) for e in evals],
             "step_s": [round(s.get("time/step_s", 0.0), 1) for s in steps],
+            "peak_rss_gb_per_step": [round(s.get("mem/peak_rss_gb", 0.0), 2) for s in steps],
+            "peak_rss_gb": round(max((s.get("mem/peak_rss_gb", 0.0) for s in steps), default=0), 2),
         }
     print(json.dumps(out))
     return 0

@@ -42,9 +42,14 @@ class GenerationConfig:
     prefix_choices: list[list[int]] | None = None
     """Constrained start: the output begins with one of these token sequences, then runs free
     (the proxy uses it for ``tool_choice: required``: the call names an offered tool). Tokens are
-    drawn from the distribution restricted to the allowed ones; their reported logprobs are those
-    of the unrestricted distribution, which is what the trainer recomputes. Engines that cannot
-    constrain (SGLang) ignore it."""
+    drawn from the distribution restricted to the allowed ones, and their reported logprobs are
+    those of that restricted distribution (0 for a forced token): the behaviour policy of the
+    importance ratio, so forced tokens carry no gradient. Engines that cannot constrain (SGLang)
+    ignore it."""
+    stop_at_json_end: str | None = None
+    """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
+    closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
+    Strings and escapes are respected. Engines that cannot (SGLang) ignore it."""
 
     def __post_init__(self) -> None:
         self.validate()

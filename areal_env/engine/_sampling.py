@@ -84,8 +84,12 @@ def sample_rows(
     Greedy rows take the argmax and report the logprob under the untempered, untruncated
     distribution (a point mass would give 0 and carry no information for training).
     ``allowed[i]``: row i may only pick one of these tokens (constrained decoding); it is drawn
-    from the row's tempered distribution restricted to them, and its reported logprob is the
-    unrestricted one (what a trainer recomputes from the model).
+    from the row's tempered distribution restricted to them, and its reported logprob is that
+    of the restricted distribution it was drawn from (0 for a forced token). Why: the trainer's
+    importance ratio is new/behaviour probability. With the unrestricted one, a forced token the
+    model finds unlikely (logprob -38 at T=0.4) made the ratio explode to e^37 as soon as the
+    update raised it, and one such token dominated the PPO loss (approx_kl 3e16 at step 3 of a
+    T=0.4 run); a forced token is no choice of the policy and must carry no gradient.
     """
     device = logits.device
     temp = torch.tensor(
@@ -106,7 +110,7 @@ def sample_rows(
             row = torch.full_like(logp[i], float("-inf"))
             row[ids] = full[i, ids]
             logp[i] = row
-            report[i] = full[i]
+            report[i] = row - torch.logsumexp(row, dim=-1)
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:

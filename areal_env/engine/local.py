@@ -26,6 +26,7 @@ import torch
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.api.tokens import common_prefix_len
+from areal_env.engine._json_end import JsonEnd
 from areal_env.engine._kv import _GROW, BatchKV
 from areal_env.engine._prefix import PrefixCache
 from areal_env.engine._sampling import RowSampling, sample_rows
@@ -69,6 +70,7 @@ class _Request:
     aborted: bool = False  # set from other threads: finish with stop_reason "abort"
     done: bool = False
     reason: str = ""  # why it stopped (set by _check_done)
+    json_end: JsonEnd | None = None  # GenerationConfig.stop_at_json_end
 
 
 def _allowed(rows: list[_Request]) -> list[list[int] | None] | None:
@@ -541,6 +543,7 @@ class LocalEngine:
                 rng=rng,
                 choices=[list(c) for c in g.prefix_choices] if g.prefix_choices else None,
             ),
+            json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
         )
         with self._cv:
             if not self._alive:
@@ -856,6 +859,10 @@ class LocalEngine:
         elif r.out_tokens[-1] in r.stop_ids:
             reason = "stop"
         elif r.stop_strs and self._hit_stop_string(r):
+            reason = "stop"
+        elif r.json_end is not None and r.json_end.feed(
+            self.tokenizer.decode(r.out_tokens[-1:], skip_special_tokens=False)
+        ):
             reason = "stop"
         elif len(r.out_tokens) >= r.max_new:
             reason = "length"

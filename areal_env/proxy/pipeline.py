@@ -194,6 +194,11 @@ class ProxyState:
                     if self.config.constrain_required and creq.parse_tools
                     else None
                 ),
+                stop_at_json_end=(
+                    self.renderer.required_call_json(creq.tools, creq.tool_choice)
+                    if self.config.constrain_required and creq.parse_tools
+                    else None
+                ),
             )
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -459,6 +459,16 @@ class ChatRenderer:
         end = self._format.calls_end
         return [end] if end else []
 
+    def required_call_json(self, tools: Any, tool_choice: Any) -> str | None:
+        """For ``tool_choice: required`` in a format whose one block holds every call (hermes
+        list form): the JSON text the prefill opens (``[{"name": "``). The engine stops where
+        that JSON closes, as guided decoding ends a required call. None otherwise."""
+        if not self.required_call_stop(tools, tool_choice):
+            return None
+        pre = self._format.prefill(None)
+        cut = min((i for i in (pre.find("["), pre.find("{")) if i >= 0), default=-1)
+        return pre[cut:] if cut >= 0 else None
+
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None
     ) -> list[int]:

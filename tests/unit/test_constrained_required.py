@@ -2,7 +2,7 @@
 
 The engine part (``GenerationConfig.prefix_choices``) is checked on the real model: outputs start
 with one of the choices, greedy and sampled, and the reported logprobs are those of the
-unrestricted distribution (what the trainer recomputes). The proxy part is checked through the
+restricted distribution the tokens were drawn from (0 for a forced token). The proxy part is checked through the
 OpenAI SDK: with ``required`` every call names an offered tool with its first argument key.
 """
 
@@ -39,7 +39,7 @@ def _tool(name: str, desc: str) -> dict:
 TOOLS = [_tool("plus", "Sum of x and y."), _tool("times", "Product of x and y.")]
 
 
-def test_sample_rows_respects_allowed_and_reports_unrestricted_logprobs():
+def test_sample_rows_respects_allowed_and_reports_restricted_logprobs():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     rows = [
         RowSampling(False, 1.0, 0, 1.0, random.Random(1)),
@@ -51,8 +51,9 @@ def test_sample_rows_respects_allowed_and_reports_unrestricted_logprobs():
     for _ in range(20):
         tokens, logps = sample_rows(logits, rows, allowed)
         assert tokens[0] in (7, 9) and tokens[1] == 3
-        assert abs(logps[0] - full[0, tokens[0]]) < 1e-5
-        assert abs(logps[1] - full[1, 3]) < 1e-5
+        restricted = torch.log_softmax(full[0, [7, 9]], dim=-1)
+        assert abs(logps[0] - restricted[[7, 9].index(tokens[0])]) < 1e-5
+        assert logps[1] == 0.0  # forced: the only allowed token, no choice of the policy
         scaled = torch.log_softmax(logits[2] / 0.5, dim=-1)
         assert abs(logps[2] - scaled[tokens[2]]) < 1e-5
 
@@ -103,9 +104,9 @@ def test_required_call_names_an_offered_tool(engine):
             (info,) = export_session(proxy, sid)["interactions"]
             assert info["completion_text"].split('"')[0] in ("plus", "times")
             assert '"arguments": {"x": ' in info["completion_text"]
-            if "</tool_call>" in info["completion_text"]:
-                # the reply is the call: generation stops at the end of the call block
-                assert info["completion_text"].endswith("</tool_call>"), info["completion_text"]
+            if info["completion_text"].endswith("]"):
+                # the reply is the call: generation stopped where the call's JSON list closed
+                assert info["completion_text"].count("]") == 1, info["completion_text"]
                 assert not r.choices[0].message.content
                 ends += 1
             for call in r.choices[0].message.tool_calls or []:
@@ -119,6 +120,17 @@ def test_required_call_names_an_offered_tool(engine):
                 names.add(call.function.name)
                 assert "x" in arguments
         assert names  # at least one call parsed completely
-        assert ends  # and at least one closed its block (and stopped there)
+        assert ends  # and at least one closed its JSON (and stopped there)
     finally:
         proxy.stop()
+
+
+def test_json_end_tracks_brackets_strings_and_escapes():
+    from areal_env.engine._json_end import JsonEnd
+
+    j = JsonEnd('[{"name": "')
+    assert not j.feed('add", "arguments": {"a": "x]}", "b": "q\\"}"')
+    assert not j.feed("}")
+    assert j.feed("}]\n<tool_response>")
+    assert JsonEnd("").feed("text before [1, [2]] after")
+    assert not JsonEnd("").feed("no json here")

@@ -269,6 +269,7 @@ class PPOActor:
         temperature: float = 1.0,
         seed: int = 1,
     ) -> None:
+        memory.tune_allocator()  # freed step memory must leave the process: see memory.py
         self.cfg = actor
         self.model_cfg = model_cfg or ModelConfig()
         self.temperature = float(actor.temperature or temperature or 1.0)

@@ -8,7 +8,6 @@ unknown key lists the valid ones). Each section owns its ``validate()``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import types
 import typing
@@ -18,7 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from areal_env.api.errors import ConfigError, check_port
+from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.api.io import GenerationConfig
 from areal_env.api.service_config import ServiceConfig
 
@@ -187,41 +186,23 @@ class ProxyConfig:
 
     def validate(self) -> None:
         check_port("proxy", self.port)
-        rps, burst = self.rate_limit_rps, self.rate_limit_burst
-        if rps is not None and (
-            isinstance(rps, bool)
-            or not isinstance(rps, int | float)
-            or not math.isfinite(rps)
-            or rps <= 0
-        ):
-            raise ConfigError(
-                f"proxy.rate_limit_rps={rps!r} must be a number > 0 (requests per second per "
-                "session key), or null for no limit"
-            )
-        if burst is not None:
-            if rps is None:
-                raise ConfigError(
-                    f"proxy.rate_limit_burst={burst!r} is set but proxy.rate_limit_rps is not: "
-                    "set proxy.rate_limit_rps (e.g. 5) to turn the limit on, or remove "
-                    "rate_limit_burst"
-                )
-            if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-                raise ConfigError(
-                    f"proxy.rate_limit_burst={burst!r} must be an integer >= 1 (requests "
-                    "allowed at once), or null for one second's worth"
-                )
-
-    def rate_limit(self) -> tuple[float, int] | None:
-        """``(requests per second, burst)`` per session key, or None when unlimited."""
-        if self.rate_limit_rps is None:
-            return None
-        rps = float(self.rate_limit_rps)
-        return rps, self.rate_limit_burst or max(1, math.ceil(rps))
         if self.session_ttl <= 0:
             raise ConfigError(f"proxy.session_ttl={self.session_ttl!r} must be > 0")
         for name in ("max_sessions", "max_interactions_per_session", "max_tokens_per_session"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"proxy.{name}={getattr(self, name)!r} must be >= 1")
+        self.rate_limit()
+
+    def rate_limit(self) -> tuple[float, int] | None:
+        """``(requests per second, burst)`` per session key, or None when unlimited
+        (``ConfigError`` for bad values)."""
+        return check_rate_limit(
+            "proxy",
+            "rate_limit_rps",
+            self.rate_limit_rps,
+            "rate_limit_burst",
+            self.rate_limit_burst,
+        )
 
 
 @dataclass

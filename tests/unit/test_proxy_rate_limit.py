@@ -39,7 +39,7 @@ def test_token_bucket_burst_then_rate():
 @pytest.mark.parametrize(
     "section, match",
     [
-        ({"rate_limit_rps": 0}, r"rate_limit_rps=0 must be a number > 0.*or null for no limit"),
+        ({"rate_limit_rps": 0}, r"proxy.rate_limit_rps=0 must be a number > 0.*or null"),
         ({"rate_limit_rps": "fast"}, r"rate_limit_rps='fast' must be a number > 0"),
         ({"rate_limit_burst": 4}, r"rate_limit_burst=4 is set but proxy.rate_limit_rps is not"),
         ({"rate_limit_rps": 2, "rate_limit_burst": 0}, r"rate_limit_burst=0 must be an integer"),
@@ -48,6 +48,13 @@ def test_token_bucket_burst_then_rate():
 def test_config_errors_say_how_to_fix(section, match):
     with pytest.raises(ConfigError, match=match):
         ProxyConfig(**section).validate()
+
+
+def test_other_proxy_checks_still_run():
+    with pytest.raises(ConfigError, match="session_ttl"):
+        ProxyConfig(session_ttl=0, rate_limit_rps=1).validate()
+    with pytest.raises(ConfigError, match="max_sessions"):
+        ProxyConfig(max_sessions=0).validate()
 
 
 def test_config_defaults():

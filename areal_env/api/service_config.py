@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from areal_env.api.errors import ConfigError, check_port
+from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.http.net import is_loopback
 
 __all__ = ["ServiceConfig", "is_loopback"]
@@ -69,6 +69,13 @@ class ServiceConfig:
     """Default per-key limit of tokens (prompt + completion) per minute; None = no limit."""
     max_tokens_per_key: int | None = None
     """Default per-key limit of tokens in total (kept across restarts); None = no limit."""
+    requests_per_second: float | None = None
+    """Default per-key request rate of model calls (``/v1/...``): a token bucket per user key
+    (configured or admin-issued), refilled at this rate; past it, 429 with ``Retry-After``.
+    None = no limit."""
+    requests_burst: int | None = None
+    """Model calls a key may send at once before ``requests_per_second`` applies. None = one
+    second's worth."""
     drain_timeout: float = 60.0
     """On shutdown: seconds open sessions may still finish (and be kept) before the exit."""
     drain_retry_after: float = 30.0
@@ -77,6 +84,16 @@ class ServiceConfig:
     """TLS private key (PEM) passed to uvicorn; with ``ssl_certfile`` the service speaks https."""
     ssl_certfile: str | None = None
     """TLS certificate file (with ssl_keyfile) for HTTPS."""
+
+    def request_rate(self) -> tuple[float, int] | None:
+        """``(requests per second, burst)`` per user key, or None (``ConfigError`` if bad)."""
+        return check_rate_limit(
+            "service",
+            "requests_per_second",
+            self.requests_per_second,
+            "requests_burst",
+            self.requests_burst,
+        )
 
     def validate(self) -> None:
         check_port("service", self.port)
@@ -102,6 +119,7 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"service.{name}={value!r} must be >= 1 (or null: no limit)")
+        self.request_rate()
         if not self.instance or "/" in self.instance:
             raise ConfigError(f"service.instance={self.instance!r} must be a non-empty name")
         if self.health_failures < 1:

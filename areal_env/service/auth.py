@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_env.api.records import field_dict
+from areal_env.http.ratelimit import TokenBucket
 from areal_env.service.store import KeyRecord, ServiceStore
 
 KEY_PREFIX = "ak-"
@@ -88,9 +89,12 @@ class KeyStore:
         tokens_per_minute: int | None = None,
         max_tokens: int | None = None,
         store: ServiceStore | None = None,
+        request_rate: tuple[float, int] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._keys: dict[str, UserKey] = {}
+        self.request_rate = request_rate
+        self._buckets: dict[str, TokenBucket] = {}  # per key digest: live state, not stored
         self.max_sessions_per_key = max_sessions_per_key
         self.tokens_per_minute = tokens_per_minute
         self.max_tokens = max_tokens
@@ -214,6 +218,24 @@ class KeyStore:
     def release(self, user: UserKey) -> None:
         with self._lock:
             user.open_sessions = max(0, user.open_sessions - 1)
+
+    def check_rate(self, user: UserKey) -> None:
+        """Take one model call from ``user``'s request bucket (``service.requests_per_second``)
+        or raise ``QuotaExceededError`` with the seconds until the next one is allowed."""
+        if self.request_rate is None:
+            return
+        with self._lock:
+            bucket = self._buckets.get(user.digest)
+            if bucket is None:
+                bucket = self._buckets[user.digest] = TokenBucket(*self.request_rate)
+        wait = bucket.take()
+        if wait > 0:
+            rps, burst = self.request_rate
+            raise QuotaExceededError(
+                f"key {user.key_id} may make {rps:g} model requests per second (burst {burst}); "
+                f"retry after {wait:.2f}s",
+                retry_after=wait,
+            )
 
     def check_tokens(self, user: UserKey) -> None:
         """Raise ``QuotaExceededError`` when ``user`` is past a token quota."""

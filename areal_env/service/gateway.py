@@ -228,6 +228,7 @@ class Gateway:
             tokens_per_minute=config.tokens_per_minute,
             max_tokens=config.max_tokens_per_key,
             store=self.store,
+            request_rate=config.request_rate(),
         )
         self.open_mode = not configured and keys is None
         if self.open_mode and not is_loopback(config.host):
@@ -255,6 +256,7 @@ class Gateway:
             "requests_forwarded": 0,
             "rejected_draining": 0,
             "rejected_quota": 0,
+            "rejected_rate": 0,
         }
         self._http: httpx.AsyncClient | None = None
         self._pending: set[asyncio.Task] = set()
@@ -449,6 +451,16 @@ class Gateway:
         except QuotaExceededError as e:
             self.counters["rejected_quota"] += 1
             raise ServiceError(429, str(e), retry_after=e.retry_after) from e
+
+    def _check_rate(self, user: UserKey) -> None:
+        """One model call against the key's request rate (``service.requests_per_second``)."""
+        try:
+            self.keys.check_rate(user)
+        except QuotaExceededError as e:
+            self.counters["rejected_rate"] += 1
+            raise ServiceError(
+                429, str(e), retry_after=e.retry_after, code="rate_limit_exceeded"
+            ) from e
 
     def _count_tokens(self, sess: GatewaySession | None, user: UserKey, tokens: int) -> None:
         if tokens <= 0:
@@ -996,6 +1008,7 @@ class Gateway:
                 return await gw.forward_sessionless(request, user)
             sess = await gw._session(user, sid)
             gw._check_quota(user)
+            gw._check_rate(user)
             if sess.backend is None or not sess.backend.healthy:
                 gw._fail_session(sess, "its backend went down")
                 await gw._session(user, sid)  # raises the 503
@@ -1012,6 +1025,7 @@ class Gateway:
             except NoBackendError as e:
                 raise ServiceError(503, str(e)) from e
             return await self.forward(request, None, backend, backend.admin_key)
+        self._check_rate(user)
         self._check_quota(user)
         sess = await self.start_session(user, persist=False)
 

@@ -1,5 +1,6 @@
-"""Per-session-key request rate limit of the proxy (issue 15): ``proxy.rate_limit_rps`` /
-``rate_limit_burst``, a token bucket per session key on the model routes.
+"""Per-key request rate limits (issue 15): the proxy's ``proxy.rate_limit_rps`` /
+``rate_limit_burst`` (a token bucket per session key on the model routes) and the service's
+``service.requests_per_second`` / ``requests_burst`` (one per user key).
 
 Real proxy on 127.0.0.1 (scripted engine, the real tokenizer), real openai and anthropic SDKs:
 past the burst a key gets a 429 in its protocol's own error format with ``Retry-After`` (and
@@ -20,6 +21,7 @@ from areal_env.engine.testing import ScriptedEngine
 from areal_env.http.ratelimit import TokenBucket
 from areal_env.proxy.server import ProxyServer
 from tests.fixtures.proxy import open_session
+from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 
 MSGS = [{"role": "user", "content": "Hi"}]
 
@@ -150,3 +152,60 @@ def test_sdk_retry_honours_retry_after(tokenizer):
         health = _health(server)
         assert health["rate_limited"] == 1  # refused once, then the SDK waited long enough
         assert health["stats"]["completions"] == 2  # each answered once
+
+
+# ---- the service: the same bucket per user key (configured or admin-issued) -------------------
+
+
+def test_service_per_key_request_rate(tokenizer):
+    """``service.requests_per_second``: a user key's model calls through the gateway (real
+    gateway over two real proxies, the real openai SDK) are limited across its sessions; the
+    429 carries Retry-After in OpenAI's format; another key is unaffected; sessions still
+    finalize."""
+    from areal_env.api.service_config import ServiceConfig
+
+    with pytest.raises(ConfigError, match=r"service.requests_burst=3 is set but"):
+        ServiceConfig(requests_burst=3).validate()
+    stack = make_service_stack(
+        ScriptedEngine(tokenizer, default="Hello there."),
+        tokenizer,
+        requests_per_second=0.05,
+        requests_burst=2,
+    )
+    try:
+        alice, bob = SERVICE_USER_KEYS
+
+        def session(key: str) -> tuple[str, openai.OpenAI]:
+            r = httpx.post(
+                stack.base_url + "/rl/v1/sessions", headers={"Authorization": f"Bearer {key}"}
+            )
+            assert r.status_code == 200, r.text
+            sid = r.json()["session_id"]
+            url = f"{stack.base_url}/s/{sid}/v1"
+            return sid, openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+
+        (s1, c1), (s2, c2) = session(alice), session(alice)
+        c1.chat.completions.create(model="m", messages=MSGS)
+        c2.chat.completions.create(model="m", messages=MSGS)  # the burst, across sessions
+        with pytest.raises(openai.RateLimitError) as err:
+            c1.chat.completions.create(model="m", messages=MSGS)
+        resp = err.value.response
+        assert 1 <= int(resp.headers["retry-after"]) <= 20
+        body = resp.json()["error"]
+        assert body["type"] == "rate_limit_error" and body["code"] == "rate_limit_exceeded"
+        assert alice not in resp.text
+        assert stack.gateway.gateway.counters["rejected_rate"] == 1
+        _, cb = session(bob)  # Bob's own bucket
+        assert cb.chat.completions.create(model="m", messages=MSGS).choices[0].message.content
+        for sid in (s1, s2):  # finalize is not a model call: not limited
+            r = httpx.post(
+                f"{stack.base_url}/s/{sid}/rl/v1/finalize",
+                json={"final_reward": 1.0},
+                headers={"Authorization": f"Bearer {alice}"},
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        stack.gateway.stop()
+        for p in stack.proxies:
+            p.stop()
+        stack.source.close()

@@ -214,7 +214,7 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             or not math.isfinite(reward)
         ):
             raise bad_request("'reward' must be a finite number", "reward")
-        iid = body.get("interaction_id", body.get("completion_id"))
+        iid = body.get("completion_id", body.get("interaction_id"))
         if iid is not None and not isinstance(iid, str):
             raise bad_request("'interaction_id' must be a string", "interaction_id")
         try:

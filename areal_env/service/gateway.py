@@ -583,7 +583,7 @@ class Gateway:
     ) -> dict:
         payload: dict[str, Any] = {"reward": float(reward)}
         if completion_id:
-            payload["interaction_id"] = completion_id
+            payload["completion_id"] = completion_id
         resp = await self._session_post(sess, routes.SET_REWARD, payload)
         if resp.status_code >= 400:
             raise ServiceError(resp.status_code, _backend_message(resp))

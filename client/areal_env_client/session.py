@@ -23,6 +23,7 @@ import contextvars
 import logging
 import os
 import threading
+import warnings
 from typing import Any
 
 import httpx
@@ -106,10 +107,27 @@ def _need_session() -> AgentSession:
     return session
 
 
+def _reward_first(reward: Any, completion_id: Any) -> tuple[float, str | None]:
+    """``(reward, completion_id)``, also from a call in the old order ``(completion_id,
+    reward)`` (a string or None first and a number second), which is deprecated."""
+    old_order = (reward is None or isinstance(reward, str)) and (
+        isinstance(completion_id, int | float) and not isinstance(completion_id, bool)
+    )
+    if old_order:
+        warnings.warn(
+            "AgentSession.set_reward(completion_id, reward) is deprecated: "
+            "call set_reward(reward, completion_id)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return float(completion_id), reward
+    return reward, completion_id
+
+
 def set_reward(reward: float, completion_id: str | None = None) -> Any:
     """Reward a completion of the current session (``None`` = its latest completion).
     Awaitable inside ``async with``, a plain call inside ``with``."""
-    return _need_session().set_reward(completion_id, reward)
+    return _need_session().set_reward(reward, completion_id)
 
 
 def finalize(final_reward: float | None = None, *, status: str = "ok") -> Any:
@@ -341,7 +359,7 @@ class AgentSession:
         resp = await self._aclient().get(self.service_url + path, headers=self._auth())
         return check_response(resp)
 
-    async def _aset_reward(self, completion_id: str | None, reward: float) -> dict[str, Any]:
+    async def _aset_reward(self, reward: float, completion_id: str | None) -> dict[str, Any]:
         payload = {"completion_id": completion_id, "reward": float(reward)}
         data = await self._apost("/rl/v1/set_reward", payload)
         self._rewarded = True
@@ -423,15 +441,19 @@ class AgentSession:
 
     # -- public, both modes ----------------------------------------------------------------
 
-    def set_reward(self, completion_id: str | None, reward: float) -> Any:
-        """Reward one completion (``None`` = the latest). Awaitable inside ``async with``."""
+    def set_reward(self, reward: float, completion_id: str | None = None) -> Any:
+        """Reward one completion (``completion_id``: the ``id`` of a chat completion or
+        message; ``None`` = the latest), in the proxy client's order. Awaitable inside
+        ``async with``. The old order ``set_reward(completion_id, reward)`` still works, with a
+        ``DeprecationWarning``."""
+        reward, completion_id = _reward_first(reward, completion_id)
         if self._sync is not None:
             data = self._spost(
                 "/rl/v1/set_reward", {"completion_id": completion_id, "reward": float(reward)}
             )
             self._rewarded = True
             return data
-        return self._aset_reward(completion_id, reward)
+        return self._aset_reward(reward, completion_id)
 
     def finalize(self, final_reward: float | None = None, *, status: str = "ok") -> Any:
         """End the trajectory: ``final_reward`` goes to the last completion; ``status="failed"``

@@ -167,7 +167,7 @@ async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
                 )
                 ids.append(r.id)
                 await asyncio.sleep(0)
-            await s.set_reward(ids[0], 0.25)
+            await s.set_reward(0.25, ids[0])
             await s.finalize(float(i))
             return s.session_id, ids
 
@@ -190,9 +190,15 @@ def test_sync_session_with_sync_openai_client(service_stack):
     client = openai.OpenAI(base_url=url + "/v1", api_key=ALICE, max_retries=0)
     with AgentSession(url, ALICE, group_id="sync") as s:
         r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
-        s.set_reward(r.id, 1.0)
+        s.set_reward(1.0, completion_id=r.id)
         out = s.finalize()
     assert out["status"] == "ok" and out["num_completions"] == 1
+    with AgentSession(url, ALICE, group_id="sync") as s3:  # the old argument order still works
+        r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
+        with pytest.warns(DeprecationWarning, match=r"set_reward\(reward, completion_id\)"):
+            got = s3.set_reward(r.id, 0.75)
+        assert got["completion_id"] == r.id and got["reward"] == 0.75
+        s3.finalize()
     with pytest.raises(ValueError, match="boom"):
         with AgentSession(url, ALICE, group_id="sync") as s2:
             client.chat.completions.create(model="m", messages=MSG, max_tokens=3)

@@ -448,6 +448,23 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _coerce_number(tp: type, value: Any, key: str) -> Any:
+    """``value`` as ``tp`` (int or float): numbers and numeric strings; an int field takes a
+    whole float (``2.0``), never a bool."""
+    if not isinstance(value, bool):
+        if isinstance(value, int) or (
+            isinstance(value, float) and (tp is float or value.is_integer())
+        ):
+            return tp(value)
+        if isinstance(value, str):
+            try:
+                return tp(value)
+            except ValueError:
+                pass
+    what = "an integer" if tp is int else "a number"
+    raise ConfigError(f"{key}={value!r} is invalid; expected {what}")
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert ``value`` (from YAML or a command-line string) to annotation ``tp``."""
     origin = get_origin(tp)
@@ -513,30 +530,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
             return False
         raise ConfigError(f"{key}={value!r} is invalid; expected true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is invalid; expected an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={value!r} is invalid; expected an integer")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is invalid; expected a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={value!r} is invalid; expected a number")
+    if tp is int or tp is float:
+        return _coerce_number(tp, value, key)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -42,6 +42,18 @@ logger = logging.getLogger(__name__)
 ParseResult = tuple[str | None, list[dict[str, str]], bool]
 
 
+def call_json(call: dict[str, Any], args_key: str = "arguments") -> str:
+    """One call as the JSON object the formats write (``args_key``: llama3 says
+    ``parameters``)."""
+    args = as_object(call.get("arguments"))
+    return json.dumps({"name": call["name"], args_key: args}, ensure_ascii=False)
+
+
+def call_opening(name: str | None, args_key: str = "arguments") -> str:
+    """The start of ``call_json`` up to the arguments (``name`` forced), or up to the name."""
+    return f'{{"name": {json.dumps(name)}, "{args_key}":' if name else '{"name": "'
+
+
 def _plain(text: str) -> ParseResult:
     return (text if text else None), [], False
 
@@ -239,13 +251,10 @@ class HermesParser(ToolParser):
         return outside, region
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "arguments": as_object(c.get("arguments"))} for c in calls]
-        return f"<tool_call>{json.dumps(items, ensure_ascii=False)}</tool_call>"
+        return f"<tool_call>[{', '.join(call_json(c) for c in calls)}]</tool_call>"
 
     def prefill(self, name: str | None) -> str:
-        if name:
-            return f'<tool_call>[{{"name": {json.dumps(name)}, "arguments":'
-        return '<tool_call>[{"name": "'
+        return "<tool_call>[" + call_opening(name)
 
     def required_call_starts(self, tools: list[dict[str, Any]]) -> list[str]:
         out = []
@@ -270,20 +279,10 @@ class QwenParser(HermesParser):
     )
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        return "\n".join(
-            "<tool_call>\n"
-            + json.dumps(
-                {"name": c["name"], "arguments": as_object(c.get("arguments"))},
-                ensure_ascii=False,
-            )
-            + "\n</tool_call>"
-            for c in calls
-        )
+        return "\n".join(f"<tool_call>\n{call_json(c)}\n</tool_call>" for c in calls)
 
     def prefill(self, name: str | None) -> str:
-        if name:
-            return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments":'
-        return '<tool_call>\n{"name": "'
+        return "<tool_call>\n" + call_opening(name)
 
 
 class Llama3Parser(ToolParser):
@@ -327,18 +326,10 @@ class Llama3Parser(ToolParser):
         return text, ""
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        return "; ".join(
-            json.dumps(
-                {"name": c["name"], "parameters": as_object(c.get("arguments"))},
-                ensure_ascii=False,
-            )
-            for c in calls
-        )
+        return "; ".join(call_json(c, "parameters") for c in calls)
 
     def prefill(self, name: str | None) -> str:
-        if name:
-            return f'{{"name": {json.dumps(name)}, "parameters":'
-        return '{"name": "'
+        return call_opening(name, "parameters")
 
 
 class MistralParser(ToolParser):
@@ -400,13 +391,10 @@ class MistralParser(ToolParser):
         return found
 
     def format_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "arguments": as_object(c.get("arguments"))} for c in calls]
-        return self.marker + json.dumps(items, ensure_ascii=False)
+        return f"{self.marker}[{', '.join(call_json(c) for c in calls)}]"
 
     def prefill(self, name: str | None) -> str:
-        if name:
-            return f'{self.marker}[{{"name": {json.dumps(name)}, "arguments":'
-        return f'{self.marker}[{{"name": "'
+        return f"{self.marker}[" + call_opening(name)
 
 
 _PARSERS: dict[str, type[ToolParser]] = {

@@ -163,27 +163,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", help="experiment name (with --trial)")
     p.add_argument("--trial", help="trial name")
     p.add_argument("--fileroot", default="./outputs", help="where runs live (default ./outputs)")
-    p.add_argument("--checkpoint", help="a run folder, a step_N folder or an HF model folder")
+    p.add_argument(
+        "--checkpoint",
+        dest="target",
+        metavar="DIR",
+        help="a run folder, a step_N folder or an HF model folder",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=[], help="accepted user key (repeat)")
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        metavar="KEY",
+        action="append",
+        default=[],
+        help="accepted user key (repeat)",
+    )
     p.add_argument("--key-file", help="file with one user key per line")
     p.add_argument("--ssl-keyfile")
     p.add_argument("--ssl-certfile")
     args = p.parse_args(argv)
     try:
-        serve_checkpoint(
-            args.checkpoint,
-            args.host,
-            args.port,
-            experiment=args.experiment,
-            trial=args.trial,
-            fileroot=args.fileroot,
-            api_keys=args.api_key,
-            key_file=args.key_file,
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-        )
+        serve_checkpoint(**vars(args))  # every option is one of its parameters, same name
     except (ValueError, FileNotFoundError) as e:
         print(f"areal-env serve: {e}", file=sys.stderr)
         return 2

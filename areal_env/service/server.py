@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -31,6 +31,9 @@ from areal_env.api.config import (
 )
 from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
+
+if TYPE_CHECKING:
+    from areal_env.trainer.ppo import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -194,25 +197,18 @@ class TrainingService(ServiceStack):
             self.store = None
 
 
-def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> Any:
-    """``PPOTrainer`` on the service's source and engine that tells the source which step each
-    batch is for, and commits consumed trajectories whenever a checkpoint is saved."""
-    from areal_env.trainer.ppo import PPOTrainer
+def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> PPOTrainer:
+    """``PPOTrainer`` on the service's trajectory source and engine; each checkpoint commits
+    the trajectories trained so far in the store (the source numbers the steps itself)."""
+    from areal_env.trainer.ppo import PPOTrainer  # torch loads only when training starts
 
     source = svc.source
-
-    class ServiceTrainer(PPOTrainer):
-        async def _external_batch(self, prefetch: bool) -> tuple[Any, dict[str, Any]]:
-            return await source.rollout_batch(
-                None, trainer_version=self.version, step=self.step + 1
-            )
-
-        def _save_checkpoint(self) -> Path:
-            path = super()._save_checkpoint()
-            source.commit(self.step)
-            return path
-
-    return ServiceTrainer(cfg, executor=source, engine=svc.engine)
+    return PPOTrainer(
+        cfg,
+        source=source,
+        engine=svc.engine,
+        on_checkpoint=lambda step, _path: source.commit(step),
+    )
 
 
 class _Shutdown:

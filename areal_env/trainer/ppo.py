@@ -32,6 +32,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,9 @@ class PPOTrainer:
     ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
     workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
     source is closed). ``executor`` is its former name. ``engine``: an initialized engine to
-    generate with and push weights to; the caller keeps ownership.
+    generate with and push weights to; the caller keeps ownership. ``on_checkpoint(step,
+    path)``: called (rank 0) after each checkpoint is written, e.g. to mark the trajectories
+    trained so far as durable (``areal-env serve-training`` commits its store there).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class PPOTrainer:
         source: BatchSource | None = None,
         engine: InferenceEngine | None = None,
         executor: BatchSource | None = None,
+        on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
         validate_config(config)
         memory.tune_allocator()  # before the models load: see memory.tune_allocator
@@ -128,6 +132,7 @@ class PPOTrainer:
         self._closed = False
         self.dist = SINGLE
         self.last_push_bytes = 0
+        self.on_checkpoint = on_checkpoint
         self._fault = fault_from_env()  # AREAL_ENV_FAULT (hardening tests); None when unset
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -711,7 +716,7 @@ class PPOTrainer:
             "trial_name": self.config.trial_name,
             "model_path": actor.model_path,
         }
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.ckpt_root,
             self.step,
             model=actor.model,
@@ -721,3 +726,6 @@ class PPOTrainer:
             keep_last=self.config.trainer.keep_checkpoints,
             export_hf=actor.export_hf,
         )
+        if self.on_checkpoint is not None and self.dist.is_main:
+            self.on_checkpoint(self.step, path)
+        return path

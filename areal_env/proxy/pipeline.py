@@ -123,31 +123,8 @@ class ProxyState:
                 f"session holds the maximum of {cache.max_interactions} interactions",
                 code="session_limit",
             )
-        messages = creq.messages
-        parent = cache.find_parent(messages)
-        try:
-            if parent is not None:
-                n = len(parent.messages) + 1
-                if len(messages) > n and parent.tools == creq.tools:
-                    # Share the parent's (identical, verified) message objects instead of keeping
-                    # a fresh copy of the whole history per turn: memory stays O(turns).
-                    messages = creq.messages = [
-                        *parent.messages,
-                        parent.output_message,
-                        *messages[n:],
-                    ]
-                    prompt_ids = self.renderer.render_extension(
-                        parent, messages[n:], creq.tools, creq.tool_choice
-                    )
-                else:
-                    session.stats.re_renders += 1
-                    prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
-            else:
-                if any(m.get("role") == "assistant" for m in messages):
-                    session.stats.re_renders += 1  # history we did not produce, or edited
-                prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
-        except RenderError as e:
-            raise bad_request(str(e), "messages") from None
+        parent = cache.find_parent(creq.messages)
+        prompt_ids = self._render(session, creq, parent)
         n_prompt = len(prompt_ids)
         if n_prompt + 1 > self.max_context_len:
             raise ProxyError(
@@ -174,6 +151,11 @@ class ProxyState:
             default_max_tokens=self.config.default_max_tokens,
         )
         max_new = max(1, min(sampling.max_new_tokens, self.max_context_len - n_prompt))
+        required = (
+            self.renderer.required_call(creq.tools, creq.tool_choice)
+            if self.config.constrain_required and creq.parse_tools
+            else None
+        )
         try:
             gconfig = GenerationConfig(
                 max_new_tokens=max_new,
@@ -181,24 +163,11 @@ class ProxyState:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 greedy=sampling.greedy,
-                stop=_with_call_stop(
-                    creq.stop,
-                    self.renderer.required_call_stop(creq.tools, creq.tool_choice)
-                    if self.config.constrain_required and creq.parse_tools
-                    else [],
-                ),
+                stop=_with_call_stop(creq.stop, required.stop if required else []),
                 stop_token_ids=list(self.renderer.stop_token_ids),
                 seed=creq.seed,
-                prefix_choices=(
-                    self.renderer.required_call_choices(creq.tools, creq.tool_choice)
-                    if self.config.constrain_required and creq.parse_tools
-                    else None
-                ),
-                stop_at_json_end=(
-                    self.renderer.required_call_json(creq.tools, creq.tool_choice)
-                    if self.config.constrain_required and creq.parse_tools
-                    else None
-                ),
+                prefix_choices=required.choices if required else None,
+                stop_at_json_end=required.json_start if required else None,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -213,6 +182,37 @@ class ProxyState:
             protocol=protocol,
             started=time.perf_counter(),
         )
+
+    def _render(
+        self, session: Session, creq: CompletionRequest, parent: Interaction | None
+    ) -> list[int]:
+        """Prompt ids for ``creq``: spliced onto ``parent``'s exact tokens when the new messages
+        only extend it, rendered afresh otherwise (counted as a re-render)."""
+        messages = creq.messages
+        try:
+            if parent is not None:
+                n = len(parent.messages) + 1
+                if len(messages) > n and parent.tools == creq.tools:
+                    # Share the parent's (identical, verified) message objects instead of keeping
+                    # a fresh copy of the whole history per turn: memory stays O(turns).
+                    messages = creq.messages = [
+                        *parent.messages,
+                        parent.output_message,
+                        *messages[n:],
+                    ]
+                    prompt_ids = self.renderer.render_extension(
+                        parent, messages[n:], creq.tools, creq.tool_choice
+                    )
+                else:
+                    session.stats.re_renders += 1
+                    prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+            else:
+                if any(m.get("role") == "assistant" for m in messages):
+                    session.stats.re_renders += 1  # history we did not produce, or edited
+                prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+        except RenderError as e:
+            raise bad_request(str(e), "messages") from None
+        return prompt_ids
 
     def model_request(self, prep: Prepared) -> ModelRequest:
         # the session id pins every turn to one inference server (SGLangEngine's routing), so

@@ -19,16 +19,16 @@ assistant calls and tool results are rendered in that same format (results as
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from areal_env.proxy.content import ContentError, content_text
 from areal_env.proxy.output import ParsedOutput, parse_completion, recover_calls
-from areal_env.proxy.tool_json import normalize_arguments
+from areal_env.proxy.tool_json import normalize_arguments, normalize_arguments_text
 from areal_env.proxy.tool_parsers import (
     ToolParser,
     detect_tool_parser,
@@ -57,14 +57,17 @@ _PROBE_TOOLS = [
 ]
 
 
+@dataclass(frozen=True)
+class RequiredCall:
+    """The constraints of a ``tool_choice: required`` reply (after the prefill)."""
+
+    choices: list[list[int]] | None  # token sequences it may start with: a tool name + "{"
+    stop: list[str]  # the end of the call block, so that nothing follows the call
+    json_start: str | None  # the JSON the prefill opens; the engine stops where it closes
+
+
 class RenderError(ValueError):
     """Messages the template cannot render (bad roles/parts, template errors); HTTP 400."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _normalized_arguments(raw: str) -> str | None:
-    """``normalize_arguments`` of a string, cached: histories repeat the same calls each turn."""
-    return normalize_arguments(raw)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -406,7 +409,7 @@ class ChatRenderer:
         out = {"id": call.get("id") or "", "name": fn["name"], "arguments": raw}
         if self.native_tools:  # only templates that render calls themselves need the object
             normalized = (
-                _normalized_arguments(raw) if isinstance(raw, str) else normalize_arguments(raw)
+                normalize_arguments_text(raw) if isinstance(raw, str) else normalize_arguments(raw)
             )
             out["object"] = json.loads(normalized) if normalized is not None else raw
         return out
@@ -438,36 +441,22 @@ class ChatRenderer:
             return self._format.prefill(None)
         return ""
 
-    def required_call_choices(self, tools: Any, tool_choice: Any) -> list[list[int]] | None:
-        """For ``tool_choice: required``: the token sequences the output may start with (after
-        the prefill), one per offered tool — its name and the start of its arguments — so that
-        the call names an offered tool, as OpenAI's API and vLLM/SGLang's guided decoding
-        guarantee. None for other choices, or a format without an open name slot."""
+    def required_call(self, tools: Any, tool_choice: Any) -> RequiredCall | None:
+        """How to hold a ``tool_choice: required`` reply to one call of an offered tool, as
+        OpenAI's API and vLLM/SGLang's guided decoding guarantee; None for other choices."""
         if tool_choice != "required":
             return None
         offered = self._offered_tools(tools, tool_choice)
-        starts = self._format.required_call_starts(offered) if offered else []
-        choices = [self._encode(t) for t in starts]
-        return [c for c in choices if c] or None
-
-    def required_call_stop(self, tools: Any, tool_choice: Any) -> list[str]:
-        """Stop strings of a ``tool_choice: required`` reply: the end of its call block, when
-        the format closes all calls with one (hermes list form), so the reply is the call and
-        nothing after it (as with guided decoding). Empty otherwise."""
-        if tool_choice != "required" or not self._offered_tools(tools, tool_choice):
-            return []
-        end = self._format.calls_end
-        return [end] if end else []
-
-    def required_call_json(self, tools: Any, tool_choice: Any) -> str | None:
-        """For ``tool_choice: required`` in a format whose one block holds every call (hermes
-        list form): the JSON text the prefill opens (``[{"name": "``). The engine stops where
-        that JSON closes, as guided decoding ends a required call. None otherwise."""
-        if not self.required_call_stop(tools, tool_choice):
+        if not offered:
             return None
-        pre = self._format.prefill(None)
-        cut = min((i for i in (pre.find("["), pre.find("{")) if i >= 0), default=-1)
-        return pre[cut:] if cut >= 0 else None
+        choices = [c for c in map(self._encode, self._format.required_call_starts(offered)) if c]
+        end = self._format.calls_end
+        json_start = None
+        if end:  # one block holds every call (hermes list form): stop where its JSON closes
+            pre = self._format.prefill(None)
+            cut = min((i for i in (pre.find("["), pre.find("{")) if i >= 0), default=-1)
+            json_start = pre[cut:] if cut >= 0 else None
+        return RequiredCall(choices or None, [end] if end else [], json_start)
 
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None

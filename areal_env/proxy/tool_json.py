@@ -6,6 +6,7 @@ Shared by every parser family in :mod:`areal_env.proxy.tool_parsers`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -65,6 +66,12 @@ def normalize_arguments(args: Any) -> str | None:
     if not isinstance(args, dict):
         return None
     return json.dumps(args, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def normalize_arguments_text(raw: str) -> str | None:
+    """``normalize_arguments`` of a string, cached: histories repeat the same calls each turn."""
+    return normalize_arguments(raw)
 
 
 def _normalize_call(obj: Any) -> dict[str, str] | None:

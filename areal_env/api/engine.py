@@ -51,6 +51,11 @@ class InferenceEngine(Protocol):
         """``update_weights`` takes an in-memory state dict (else only an HF folder path)."""
         ...
 
+    @property
+    def supports_lora(self) -> bool:
+        """``update_weights`` takes a LoRA adapter folder (merged onto the base weights)."""
+        ...
+
     async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
 
     def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:

@@ -158,6 +158,8 @@ class LocalEngine:
         self._holders = 0  # callers waiting to act at a step boundary (weight updates)
         self._in_step = False
         self._version = 0
+        self._lora_base: dict[str, Any] = {}
+        """Base weights of the parameters a LoRA adapter changed (adapters merge onto them)."""
         self._log_at, self._log_tokens = 0.0, 0
         self._stats = {
             "requests": 0,
@@ -343,9 +345,7 @@ class LocalEngine:
                 )
             if state is not None:
                 self._load_state(state)
-                self._lora_base: dict[
-                    str, Any
-                ] = {}  # new base weights: a later adapter merges onto these
+                self._lora_base = {}  # new base weights: a later adapter merges onto these
             self._prefix.clear()  # cached KV belongs to the old weights
             with self._cv:
                 self._version += 1
@@ -369,9 +369,7 @@ class LocalEngine:
         from the base weights (a new adapter replaces the previous one, never stacks on it)."""
         tensors, cfg = load_adapter_folder(path)
         params = dict(self.model.named_parameters())
-        base = getattr(self, "_lora_base", None)
-        if base is None:
-            base = self._lora_base = {}
+        base = self._lora_base
         names = {n for n in split_adapter(tensors)}
         for n in names:
             if n not in params:

@@ -62,6 +62,7 @@ class ScriptedEngine:
     eos_token_ids: list[int] = field(default_factory=list)
     stream_chunk_tokens: int = 1
     supports_state_dict_update: bool = True
+    supports_lora: bool = False
     requests: list[ModelRequest] = field(default_factory=list)
     weight_updates: list[Any] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)

@@ -133,6 +133,7 @@ class PPOTrainer:
         self.dist = SINGLE
         self.last_push_bytes = 0
         self.on_checkpoint = on_checkpoint
+        self._nccl_sync: Any = None  # NcclWeightSync, made on the first NCCL push
         self._fault = fault_from_env()  # AREAL_ENV_FAULT (hardening tests); None when unset
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -644,8 +645,8 @@ class PPOTrainer:
         under ``run_dir/weights/v{N}`` (with LoRA only the adapter when the engine takes
         adapters). A server that fails to load is reported by address and the step fails."""
         engine = self._engine
-        lora = self.config.actor.lora is not None and getattr(engine, "supports_lora", False)
-        in_process = getattr(engine, "supports_state_dict_update", False)
+        lora = self.config.actor.lora is not None and engine.supports_lora
+        in_process = engine.supports_state_dict_update
         what = "full" if in_process else ("adapter" if lora else "hf")
         sg = self.config.engine.sglang
         if not in_process and self.config.engine.backend == "sglang" and sg.weight_sync == "nccl":
@@ -672,7 +673,7 @@ class PPOTrainer:
         """SGLang's tensor path (``engine.sglang.weight_sync: nccl``; GPU only, unverified here)."""
         from areal_env.engine.sglang_nccl import NcclWeightSync
 
-        sync = getattr(self, "_nccl_sync", None)
+        sync = self._nccl_sync
         if sync is None:
             import socket
 

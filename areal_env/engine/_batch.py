@@ -1,0 +1,444 @@
+"""``LocalEngine``'s worker: the continuous-batching decode loop and its KV bookkeeping.
+
+Runs in the engine's worker thread only. Each step admits pending requests (prefilled in groups
+of similar length, reusing cached prefixes), decodes one token for every running row, and retires
+finished rows at the step boundary, shrinking the batch's KV with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from areal_env.api.io import ModelResponse, StreamChunk
+from areal_env.api.tokens import common_prefix_len
+from areal_env.engine._kv import _GROW, BatchKV
+from areal_env.engine._prefix import PrefixCache
+from areal_env.engine._request import _allowed, _length_groups, _Request
+from areal_env.engine._sampling import sample_rows
+
+logger = logging.getLogger("areal_env.engine.local")  # the engine's log name, kept on the split
+
+_MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bounds decode stalls)
+_LOG_EVERY_S = 30.0  # progress log interval while busy
+_MIN_PREFIX = 32  # shortest cached prefix worth a separate prefill path
+
+
+class _BatchLoop:
+    """Mixin of ``LocalEngine``: the worker thread's decode loop (touches torch state only here)."""
+
+    # State owned by LocalEngine (set in its __init__/initialize).
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    max_batch_size: int
+    num_threads: int | None
+    _prefix: PrefixCache
+    _cv: threading.Condition
+    _pending: deque[_Request]
+    _running: list[_Request]
+    _live: dict[int, _Request]
+    _kv: BatchKV | None
+    _next_tokens: torch.Tensor | None
+    _positions: torch.Tensor | None
+    _stopping: bool
+    _paused: bool
+    _holders: int
+    _in_step: bool
+    _version: int
+    _log_at: float
+    _log_tokens: int
+    _stats: dict[str, int]
+
+    def _log_progress(self) -> None:
+        now = time.perf_counter()
+        s = self._stats
+        if not (self._running or self._pending):  # going idle: restart the window
+            self._log_at, self._log_tokens = now, s["tokens_generated"]
+            return
+        if now - self._log_at < _LOG_EVERY_S:
+            return
+        tokens = s["tokens_generated"] - self._log_tokens
+        if tokens:
+            logger.info(
+                "generating: %.1f tok/s over %.0fs, batch %d, queued %d, version %d",
+                tokens / (now - self._log_at),
+                now - self._log_at,
+                len(self._running),
+                len(self._pending),
+                self._version,
+            )
+        self._log_at, self._log_tokens = now, s["tokens_generated"]
+
+    def _worker(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.num_threads:
+            # OpenMP thread counts are per calling thread: set it where the model work runs.
+            torch.set_num_threads(self.num_threads)
+        self._log_at, self._log_tokens = time.perf_counter(), 0
+        while True:
+            with self._cv:
+                while not self._stopping and (
+                    self._paused or self._holders > 0 or not (self._pending or self._running)
+                ):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._in_step = True
+                admit = self._take_pending()
+            try:
+                with torch.inference_mode():
+                    self._step(admit)
+                self._log_progress()
+            except Exception as exc:  # keep serving: fail only the requests of this batch
+                logger.exception("generation step failed; failing %d requests", len(self._running))
+                for r in self._running + admit:
+                    if not r.done:
+                        r.done = True
+                        self._live.pop(id(r), None)
+                        r.deliver(RuntimeError(f"generation failed: {exc}"))
+                self._running, self._kv = [], None
+                self._next_tokens = self._positions = None
+            finally:
+                with self._cv:
+                    self._in_step = False
+                    self._cv.notify_all()
+
+    def _take_pending(self) -> list[_Request]:
+        """Requests to prefill now (caller holds the lock); drops cancelled ones."""
+        admit: list[_Request] = []
+        room = self.max_batch_size - len(self._running)
+        longest = 0
+        while self._pending and len(admit) < room:
+            r = self._pending[0]
+            n_in = len(r.req.input_ids)
+            if admit and (len(admit) + 1) * max(longest, n_in) > _MAX_PREFILL_TOKENS:
+                break  # the rest joins at the next step boundary
+            self._pending.popleft()
+            if r.cancelled:
+                self._finish(r, "cancel")
+                continue
+            if r.aborted:
+                self._finish(r, "abort")
+                continue
+            admit.append(r)
+            longest = max(longest, n_in)
+        return admit
+
+    def _step(self, admit: list[_Request]) -> None:
+        version = self._version
+        if admit:
+            self._prefill(admit, version)
+        if not self._running:
+            return
+        kv = self._kv
+        assert kv is not None and self._next_tokens is not None and self._positions is not None
+        mask = kv.mask_for_step(1)
+        out = self.model(
+            input_ids=self._next_tokens[:, None],
+            attention_mask=mask,
+            position_ids=self._positions[:, None],
+            past_key_values=kv.cache,
+            use_cache=True,
+        )
+        kv.advance(1)
+        self._positions += 1
+        logits = out.logits[:, -1, :]
+        tokens, logps = sample_rows(
+            logits, [r.sampling for r in self._running], _allowed(self._running)
+        )
+        self._stats["decode_steps"] += 1
+        self._stats["batch_size_sum"] += len(self._running)
+        self._stats["max_batch_size_seen"] = max(
+            self._stats["max_batch_size_seen"], len(self._running)
+        )
+        self._record(self._running, tokens, logps, version)
+        self._next_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self._retire()
+
+    def _prefill(self, admit: list[_Request], version: int) -> None:
+        """Prefill new requests in groups of similar length (little padding), then merge them.
+
+        With the prefix cache on, requests whose prompt starts with a cached prefix only prefill
+        the rest; a long prefix shared by several new requests is prefilled once first.
+        """
+        plain: list[_Request] = admit
+        cached: list[_Request] = []
+        if self._prefix.enabled:
+            self._seed_shared_prefixes(admit)
+            plain, cached = [], []
+            for r in admit:
+                n = self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                (cached if n >= _MIN_PREFIX else plain).append(r)
+        for group in _length_groups(plain):
+            self._prefill_group(group, version)
+        if cached:
+            rest = {
+                id(r): len(r.req.input_ids)
+                - self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                for r in cached
+            }
+            for group in _length_groups(cached, size=lambda r: rest[id(r)]):
+                self._prefill_cached(group, version)
+
+    def _seed_shared_prefixes(self, admit: list[_Request]) -> None:
+        """Prefill, once, each long prefix that several of ``admit`` share and the cache lacks."""
+        ids = sorted(
+            (r.req.input_ids for r in admit if self._prefix.match_length(r.req.input_ids) == 0),
+            key=tuple,
+        )
+        i = 0
+        while i + 1 < len(ids):
+            shared = common_prefix_len(ids[i], ids[i + 1])
+            j = i + 1
+            while j + 1 < len(ids):
+                nxt = min(shared, common_prefix_len(ids[j], ids[j + 1]))
+                if nxt < _MIN_PREFIX:
+                    break
+                shared, j = nxt, j + 1
+            shared = min(shared, min(len(x) for x in ids[i : j + 1]) - 1)
+            if shared >= _MIN_PREFIX:
+                prefix = list(ids[i][:shared])
+                from transformers import DynamicCache
+
+                cache = DynamicCache()
+                self.model(
+                    input_ids=torch.tensor([prefix], dtype=torch.long, device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                self._stats["prefill_tokens"] += shared
+                self._prefix.insert(prefix, BatchKV.stack_prefill(cache)[:, :, 0])
+                i = j + 1
+            else:
+                i += 1
+
+    def _prefill_group(self, admit: list[_Request], version: int) -> None:
+        lengths = [len(r.req.input_ids) for r in admit]
+        T = max(lengths)
+        ids = torch.zeros((len(admit), T), dtype=torch.long)
+        mask = torch.zeros((len(admit), T), dtype=torch.bool)
+        for i, r in enumerate(admit):
+            ids[i, T - lengths[i] :] = torch.tensor(r.req.input_ids, dtype=torch.long)
+            mask[i, T - lengths[i] :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._stats["prefill_tokens"] += sum(lengths)
+        self._admit_prefilled(
+            admit, out.logits[:, -1, :], BatchKV.stack_prefill(cache), mask, version
+        )
+
+    def _prefill_cached(self, admit: list[_Request], version: int) -> None:
+        """Prefill requests whose prompts start with a cached prefix: only the rest is computed.
+
+        Row layout (columns): ``[pad, cached prefix | pad, rest of the prompt]`` — the prefixes
+        right-aligned at column P, the rests right-aligned at the end, so the last column holds
+        every row's last prompt token. Pad columns are masked out; position ids count real tokens.
+        """
+        matches = [self._prefix.match(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit]
+        if any(n == 0 for n, _ in matches):  # evicted since it was looked up: prefill it whole
+            self._prefill_group(
+                [r for r, (n, _) in zip(admit, matches, strict=True) if n == 0], version
+            )
+            kept = [(r, m) for r, m in zip(admit, matches, strict=True) if m[0] > 0]
+            if not kept:
+                return
+            admit, matches = [r for r, _ in kept], [m for _, m in kept]
+        P = max(n for n, _ in matches)
+        rests = [len(r.req.input_ids) - n for r, (n, _) in zip(admit, matches, strict=True)]
+        S = max(rests)
+        L, two, H, _, D = matches[0][1].shape
+        n_rows = len(admit)
+        buf = matches[0][1].new_zeros((L, two, n_rows, H, P + S + _GROW, D))
+        mask = torch.zeros((n_rows, P + S + _GROW), dtype=torch.bool, device=self.device)
+        ids = torch.zeros((n_rows, S), dtype=torch.long)
+        pos = torch.zeros((n_rows, S), dtype=torch.long)
+        for i, (r, (n, kv)) in enumerate(zip(admit, matches, strict=True)):
+            buf[:, :, i, :, P - n : P] = kv
+            mask[i, P - n : P] = True
+            mask[i, P + S - rests[i] : P + S] = True
+            ids[i, S - rests[i] :] = torch.tensor(r.req.input_ids[n:], dtype=torch.long)
+            pos[i, S - rests[i] :] = torch.arange(n, n + rests[i])
+            pos[i, : S - rests[i]] = n
+            self._stats["prefix_cache_hit_tokens"] += n
+        kv_state = BatchKV(buf, mask, 0, P)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask[:, : P + S],
+            position_ids=pos.to(self.device),
+            past_key_values=kv_state.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv_state.advance(S)
+        self._stats["prefill_tokens"] += sum(rests)
+        self._admit_prefilled(
+            admit, out.logits[:, -1, :], buf[..., : P + S, :], mask[:, : P + S], version
+        )
+
+    def _admit_prefilled(
+        self,
+        admit: list[_Request],
+        logits: torch.Tensor,
+        new_kv: torch.Tensor,
+        mask: torch.Tensor,
+        version: int,
+    ) -> None:
+        """Sample each prefilled row's first token, cache the prompts' KV and merge the rows that
+        go on into the running batch (``new_kv`` ``[L,2,n,H,T,D]``, ``mask`` ``[n,T]``)."""
+        lengths = [len(r.req.input_ids) for r in admit]
+        if self._prefix.enabled:
+            for i, r in enumerate(admit):
+                if lengths[i] >= _MIN_PREFIX:
+                    self._prefix.insert(r.req.input_ids, new_kv[:, :, i][:, :, :, mask[i]])
+        tokens, logps = sample_rows(logits, [r.sampling for r in admit], _allowed(admit))
+        now = time.perf_counter()
+        for r in admit:
+            r.first_token_at = now
+        self._record(admit, tokens, logps, version)
+        keep = [i for i, r in enumerate(admit) if not self._check_done(r)]
+        for i, r in enumerate(admit):
+            if i not in keep:
+                self._finish(r, r.reason)
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if len(keep) < len(admit):
+            new_kv, mask = new_kv.index_select(2, idx), mask.index_select(0, idx)
+        new_tokens = torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.device)
+        new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
+        self._kv = BatchKV.merge(self._kv, new_kv, mask)
+        if self._running:
+            assert self._next_tokens is not None and self._positions is not None
+            self._next_tokens = torch.cat([self._next_tokens, new_tokens])
+            self._positions = torch.cat([self._positions, new_pos])
+        else:
+            self._next_tokens, self._positions = new_tokens, new_pos
+        self._running.extend(admit[i] for i in keep)
+        logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
+
+    def _record(
+        self, rows: list[_Request], tokens: list[int], logps: list[float], version: int
+    ) -> None:
+        for r, t, lp in zip(rows, tokens, logps, strict=True):
+            r.out_tokens.append(t)
+            r.out_logprobs.append(lp)
+            r.out_versions.append(version)
+        self._stats["tokens_generated"] += len(rows)
+
+    def _check_done(self, r: _Request) -> bool:
+        """Decide whether ``r`` stops after its latest token (reason stored on the request)."""
+        reason = None
+        if r.done:  # already answered (aborted while the worker was paused)
+            reason = "gone"
+        elif r.cancelled:
+            reason = "cancel"
+        elif r.aborted:
+            reason = "abort"
+        elif r.out_tokens[-1] in r.stop_ids:
+            reason = "stop"
+        elif r.stop_strs and self._hit_stop_string(r):
+            reason = "stop"
+        elif r.json_end is not None and r.json_end.feed(
+            self.tokenizer.decode(r.out_tokens[-1:], skip_special_tokens=False)
+        ):
+            reason = "stop"
+        elif len(r.out_tokens) >= r.max_new:
+            reason = "length"
+        if reason is None:
+            if r.stream:
+                self._send_chunk(r)
+            return False
+        r.reason = reason
+        return True
+
+    def _hit_stop_string(self, r: _Request) -> bool:
+        tail = self.tokenizer.decode(r.out_tokens[-r.stop_window :], skip_special_tokens=False)
+        return any(s in tail for s in r.stop_strs)
+
+    def _retire(self) -> None:
+        """Finish rows that are done (or cancelled) and shrink the batch."""
+        keep: list[int] = []
+        for i, r in enumerate(self._running):
+            if self._check_done(r):
+                self._finish(r, r.reason)
+            else:
+                keep.append(i)
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._running, self._kv = [], None
+            self._next_tokens = self._positions = None
+            return
+        assert (
+            self._kv is not None and self._next_tokens is not None and self._positions is not None
+        )
+        self._kv.select(keep)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._next_tokens = self._next_tokens.index_select(0, idx)
+        self._positions = self._positions.index_select(0, idx)
+        self._running = [self._running[i] for i in keep]
+
+    def _send_chunk(self, r: _Request) -> None:
+        n = len(r.out_tokens)
+        if n > r.sent:
+            r.deliver(
+                StreamChunk(
+                    token_ids=r.out_tokens[r.sent : n],
+                    logprobs=r.out_logprobs[r.sent : n],
+                    versions=r.out_versions[r.sent : n],
+                )
+            )
+            r.sent = n
+
+    def _finish(self, r: _Request, reason: str) -> None:
+        if reason == "gone":
+            return
+        r.done = True
+        with self._cv:
+            self._live.pop(id(r), None)
+        if reason == "cancel":  # nobody awaits it any more
+            self._stats["aborted"] += 1
+            return
+        now = time.perf_counter()
+        resp = ModelResponse(
+            input_tokens=list(r.req.input_ids),
+            output_tokens=list(r.out_tokens),
+            output_logprobs=list(r.out_logprobs),
+            output_versions=list(r.out_versions),
+            stop_reason=reason,  # type: ignore[arg-type]
+            latency=now - r.submitted,
+            ttft=(r.first_token_at - r.submitted) if r.first_token_at else now - r.submitted,
+            rid=r.req.rid,
+        )
+        self._stats["finished" if reason != "abort" else "aborted"] += 1
+        if r.stream:
+            n = len(r.out_tokens)
+            r.deliver(
+                StreamChunk(
+                    token_ids=r.out_tokens[r.sent : n],
+                    logprobs=r.out_logprobs[r.sent : n],
+                    versions=r.out_versions[r.sent : n],
+                    final=resp,
+                )
+            )
+            r.sent = n
+        else:
+            r.deliver(resp)

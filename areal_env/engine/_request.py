@@ -1,0 +1,70 @@
+"""A request's state inside ``LocalEngine`` and the pure helpers that group and constrain rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_env.api.io import ModelRequest
+from areal_env.engine._json_end import JsonEnd
+from areal_env.engine._sampling import RowSampling
+
+
+@dataclass(eq=False)  # identity semantics: requests are compared/removed by object
+class _Request:
+    """A request's state inside the engine (touched by the worker thread only, except flags)."""
+
+    req: ModelRequest
+    deliver: Callable[[Any], None]  # thread-safe: hands a result/chunk/exception to the caller
+    stream: bool
+    submitted: float
+    max_new: int
+    stop_ids: frozenset[int]
+    stop_strs: list[str]
+    stop_window: int
+    sampling: RowSampling
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    sent: int = 0  # tokens already streamed
+    first_token_at: float = 0.0
+    cancelled: bool = False  # set from other threads: drop silently
+    aborted: bool = False  # set from other threads: finish with stop_reason "abort"
+    done: bool = False
+    reason: str = ""  # why it stopped (set by _check_done)
+    json_end: JsonEnd | None = None  # GenerationConfig.stop_at_json_end
+
+
+def _allowed(rows: list[_Request]) -> list[list[int] | None] | None:
+    """Each row's allowed next tokens under its constrained start (None when no row has one)."""
+    if not any(r.sampling.choices for r in rows):
+        return None
+    return [r.sampling.allowed(r.out_tokens) for r in rows]
+
+
+def _length_groups(
+    reqs: list[_Request],
+    max_waste: float = 0.2,
+    size: Callable[[_Request], int] = lambda r: len(r.req.input_ids),
+) -> list[list[_Request]]:
+    """Split requests (longest first) so that each group's left padding stays under ``max_waste``.
+
+    Padding is wasted compute in the prefill forward; one extra forward costs far less.
+    ``size`` is the tokens a request prefills (its prompt, or the part beyond a cached prefix).
+    """
+    ordered = sorted(reqs, key=size, reverse=True)
+    groups: list[list[_Request]] = []
+    real = 0
+    for r in ordered:
+        n = size(r)
+        if groups:
+            group = groups[-1]
+            longest = size(group[0])
+            if (len(group) + 1) * longest <= (1.0 + max_waste) * (real + n):
+                group.append(r)
+                real += n
+                continue
+        groups.append([r])
+        real = n
+    return groups

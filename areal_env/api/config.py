@@ -326,7 +326,8 @@ class ActorConfig:
     trie nodes per packed sequence."""
     tree_training: Literal["auto", "on", "off"] = "auto"
     """Pack rows sharing token prefixes (GRPO groups, multi-turn) into a token trie, computed once
-    with a tree attention mask. auto = when it saves at least a quarter of the tokens."""
+    with a tree attention mask. auto = when it saves at least a quarter of the tokens. Works with
+    strategy fsdp (each rank packs its share of the rows) and LoRA."""
 
     def validate(self) -> None:
         if self.lr <= 0:

@@ -36,11 +36,13 @@ from areal_env.trainer.dist import (
     micro_batches,
     padded_micro_batches,
     shard_model,
+    split_rows,
     to_local_float,
 )
 from areal_env.trainer.tree import (
     pack_rows,
     packed_size,
+    tree_logits,
     tree_micro_batches,
     tree_supported,
     tree_token_logprobs,
@@ -188,6 +190,14 @@ def install_scored_forward(model: Any) -> None:
 
     model.areal_scored_logits = types.MethodType(_scored_logits_impl, model)  # type: ignore[assignment]
     register_fsdp_forward_method(model, "areal_scored_logits")
+    model.areal_tree_logits = types.MethodType(tree_logits, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_tree_logits")
+
+
+def _plain_head(model: Any) -> bool:
+    """Whether ``model`` (looked through a LoRA wrapper) has logits = lm_head(final hidden)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(inner).__name__ in _PLAIN_HEAD_MODELS
 
 
 def token_logprobs(
@@ -286,11 +296,6 @@ class PPOActor:
         self.model_path = model_path
         self.model: Any = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
-        if actor.strategy == "fsdp":
-            # Sharded ranks must run the same passes; tree packing varies them per rank.
-            self.tree_unsupported = "strategy fsdp runs flat micro-batches"
-        elif actor.lora is not None:
-            self.tree_unsupported = "LoRA adapters run flat micro-batches"
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
@@ -362,12 +367,7 @@ class PPOActor:
         temps = self.row_temperatures(batch)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)
         rows = list(range(len(lengths)))
-        if self.dist.distributed:
-            groups = padded_micro_batches(rows, lengths, self.cfg.micro_batch_tokens, self.dist)
-            tree = False
-        else:
-            plan = self.plan_micro_batches(batch["input_ids"], lengths, rows)
-            groups, tree = list(plan.groups), plan.tree
+        groups, tree, _ = self.rank_micro_batches(batch["input_ids"], lengths, rows)
         for mb in groups:
             if mb is None:  # this rank has no rows left: keep the collectives in step
                 token_logprobs(
@@ -415,6 +415,34 @@ class PPOActor:
                 return MicroBatchPlan(groups, True, logical, nodes)
         return MicroBatchPlan(micro_batches(lengths, rows, budget), False, logical, logical)
 
+    def rank_micro_batches(
+        self, input_ids: torch.Tensor, lengths: list[int], rows: list[int]
+    ) -> tuple[list[list[int] | None], bool, int]:
+        """This rank's micro-batches of ``rows``, whether they are tree-packed, and the tokens
+        all ranks compute (trie nodes when packed).
+
+        One process: :meth:`plan_micro_batches` of all rows. Sharded: the rows are split across
+        ranks by token count (``split_rows``, as for flat micro-batches) and each rank packs its
+        own share; every rank plans every share (all hold the whole batch), so they agree on the
+        packing decision and pad to the same number of passes with ``None`` (FSDP's collectives
+        run once per pass). The loss normalisation does not depend on the packing.
+        """
+        if not self.dist.distributed:
+            plan = self.plan_micro_batches(input_ids, lengths, rows)
+            return list(plan.groups), plan.tree, plan.computed_tokens
+        shares = split_rows(rows, lengths, self.dist.world_size)
+        plans = [self.plan_micro_batches(input_ids, lengths, s) if s else None for s in shares]
+        # one decision for all ranks: pack when every rank with rows would
+        tree = all(p.tree for p in plans if p is not None)
+        if not tree:
+            mbs = padded_micro_batches(rows, lengths, self.cfg.micro_batch_tokens, self.dist)
+            return mbs, False, sum(lengths[r] for r in rows)
+        n = max(len(p.groups) if p else 0 for p in plans)
+        mine = plans[self.dist.rank]
+        groups: list[list[int] | None] = list(mine.groups) if mine else []
+        computed = sum(p.computed_tokens for p in plans if p is not None)
+        return groups + [None] * (n - len(groups)), True, computed
+
     def _tree_logprobs(
         self,
         model: Any,
@@ -435,7 +463,7 @@ class PPOActor:
             [mask[r, : lengths[r]] for r in rows],
             seqs,
             self.temperature if temperature is None else temperature,
-            plain_head=type(model).__name__ in _PLAIN_HEAD_MODELS,
+            plain_head=_plain_head(model),
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
         )
@@ -564,17 +592,8 @@ class PPOActor:
                 # by the minibatch's global token count and multiplied by the world size because
                 # FSDP averages gradients over ranks: the reduced gradient is the 1-rank one.
                 scale = self.dist.world_size / mb_tokens
-                micros: list[list[int] | None]
-                if self.dist.distributed:
-                    micros = padded_micro_batches(
-                        mb_rows, pb.lengths, a.micro_batch_tokens, self.dist
-                    )
-                    tree = False
-                    packed_tokens += sum(pb.lengths[r] for r in mb_rows)
-                else:
-                    plan = self.plan_micro_batches(pb.input_ids, pb.lengths, mb_rows)
-                    micros, tree = list(plan.groups), plan.tree
-                    packed_tokens += plan.computed_tokens
+                micros, tree, computed = self.rank_micro_batches(pb.input_ids, pb.lengths, mb_rows)
+                packed_tokens += computed
                 tree_used = tree_used or tree
                 for i, micro in enumerate(micros):
                     _set_gradient_sync(self.model, i == len(micros) - 1)

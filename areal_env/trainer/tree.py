@@ -21,8 +21,8 @@ each row's own nodes, in blocks of ``_BLOCK`` queries, attend to that row's path
 gathered by index), which computes ``nodes x row length`` scores instead of ``nodes^2``; on the
 2-core CPU the gathers made it slower than the dense mask at ~3k nodes, so the actor does not
 use it by default. A packed sequence is bounded by ``micro_batch_tokens`` nodes
-(:func:`tree_micro_batches`). The module only calls the decoder with ``input_ids``,
-``position_ids``, a mask and keyword arguments, so a sharded (FSDP) module runs it unchanged.
+(:func:`tree_micro_batches`). The one model call is :func:`tree_logits`; a sharded (FSDP2) model
+runs it as a registered forward method so its root parameters are gathered.
 """
 
 from __future__ import annotations
@@ -272,6 +272,31 @@ def _model_mask(model: torch.nn.Module, mask: torch.Tensor, dtype: torch.dtype) 
     return torch.where(mask4, zero, torch.finfo(dtype).min)
 
 
+def tree_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    nodes: torch.Tensor,
+    plain_head: bool,
+    **extra: Any,
+) -> torch.Tensor:
+    """Logits [len(nodes), V] of the packed sequence at ``nodes``.
+
+    The one model call of a tree forward. A LoRA (``peft``) wrapper is looked through (its
+    adapters live inside the base model's modules). A sharded (FSDP2) model runs this as a
+    registered forward method (``areal_tree_logits``, installed by the actor) so the root's
+    parameters (embeddings, final norm, LM head) are gathered before it runs, as for
+    ``forward``.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+    if plain_head:
+        hidden = inner.get_decoder()(input_ids=input_ids, **kw, **extra)[0]
+        return inner.get_output_embeddings()(hidden[0, nodes])
+    return model(input_ids=input_ids, **kw, **extra).logits[0, nodes]
+
+
 def tree_token_logprobs(
     model: Any,
     tree: PackedTree,
@@ -314,14 +339,11 @@ def tree_token_logprobs(
     else:
         mask = _model_mask(model, tree.ancestor_mask(device), param_dtype)
     uniq, inv = torch.unique(src, return_inverse=True)
-    if plain_head:
-        hidden = model.get_decoder()(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **extra
-        )[0]
-        logits = model.get_output_embeddings()(hidden[0, uniq])
+    fn = getattr(model, "areal_tree_logits", None)  # a sharded model's registered method
+    if fn is not None:
+        logits = fn(ids, mask, pos, uniq, plain_head, **extra)
     else:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
-        logits = out.logits[0, uniq]
+        logits = tree_logits(model, ids, mask, pos, uniq, plain_head, **extra)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -343,5 +365,6 @@ __all__ = [
     "tree_supported",
     "enable_tree_attention",
     "block_tree_attention",
+    "tree_logits",
     "tree_token_logprobs",
 ]

@@ -19,8 +19,13 @@ from pathlib import Path
 import torch
 
 
-def fixed_batch(vocab: int, n_rows: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded rows of different lengths, answers on the second half, two groups."""
+def fixed_batch(
+    vocab: int, n_rows: int = 6, seed: int = 0, shared_prefix: int = 0
+) -> dict[str, torch.Tensor]:
+    """Right-padded rows of different lengths, answers on the second half, two groups.
+
+    ``shared_prefix``: the rows of a group start with the same that many tokens (a GRPO
+    group's prompt), so tree training has prefixes to share."""
     g = torch.Generator().manual_seed(seed)
     lengths = [48 - 6 * i for i in range(n_rows)]
     width = max(lengths)
@@ -33,6 +38,10 @@ def fixed_batch(vocab: int, n_rows: int = 6, seed: int = 0) -> dict[str, torch.T
         attn[r, :n] = 1
         loss[r, n // 2 : n] = 1
         logp[r, n // 2 : n] = -torch.rand(n - n // 2, generator=g) * 4
+    groups = [0, 0, 0, 1, 1, 1][:n_rows]
+    for r in range(n_rows):
+        first = groups.index(groups[r])
+        ids[r, :shared_prefix] = ids[first, :shared_prefix]
     return {
         "input_ids": ids,
         "attention_mask": attn,
@@ -40,7 +49,7 @@ def fixed_batch(vocab: int, n_rows: int = 6, seed: int = 0) -> dict[str, torch.T
         "logprobs": logp,
         "versions": torch.zeros(n_rows, width, dtype=torch.long),
         "rewards": torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.2][:n_rows]),
-        "group_ids": torch.tensor([0, 0, 0, 1, 1, 1][:n_rows]),
+        "group_ids": torch.tensor(groups),
     }
 
 
@@ -51,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the weights (rank 0)")
     ap.add_argument("--micro-batch-tokens", type=int, default=96)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--tree", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens a group's rows share")
     ap.add_argument("--steps", default="sgd,adamw", help="optimizer per update: sgd | adamw")
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--save-after", type=int, default=None, help="checkpoint after N updates")
@@ -71,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         recompute_logprobs=True,  # exercises the sharded logprob recompute too
         max_grad_norm=1e9,  # no clipping: the step is the raw gradient
         lora=LoraConfig(r=8, alpha=16) if args.lora else None,
+        tree_training=args.tree,
     )
     model_cfg = ModelConfig(path=args.model, device="cpu", gradient_checkpointing=True)
     actor = PPOActor(args.model, actor_cfg, model_cfg, seed=1)
     rank = actor.dist.rank
-    batch = fixed_batch(actor.model.config.vocab_size)
+    batch = fixed_batch(actor.model.config.vocab_size, shared_prefix=args.shared_prefix)
     params = [p for p in actor.model.parameters() if p.requires_grad]
     adamw = actor.optimizer
     for group in adamw.param_groups:
@@ -109,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 "loss": stats.get("actor/loss"),
                 "grad_norm": stats.get("actor/grad_norm"),
                 "scored_tokens": stats.get("actor/scored_tokens"),
+                "tree_packed": stats.get("actor/tree_packed"),
+                "computed_tokens": stats.get("actor/computed_tokens"),
                 "step_s": dt,
             }
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_env.api.config import ActorConfig
+from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.dist import DistContext, padded_micro_batches, split_rows
 from tests.distributed.run import run_worker
 
@@ -31,6 +33,42 @@ def test_padded_micro_batches_give_every_rank_the_same_count():
         seen += [r for mb in mbs if mb is not None for r in mb]
     assert len(counts) == 1  # same number of forward/backward passes on every rank
     assert sorted(seen) == [0, 1, 2, 3]  # every row on exactly one rank
+
+
+def _planner(rank: int, world: int, mode: str) -> PPOActor:
+    """An actor with only what micro-batch planning reads (no model: the plan is pure)."""
+    actor = PPOActor.__new__(PPOActor)
+    actor.cfg = ActorConfig(tree_training=mode, micro_batch_tokens=64)  # type: ignore[arg-type]
+    actor.tree_unsupported = None
+    actor.dist = DistContext(rank=rank, world_size=world)
+    return actor
+
+
+def test_tree_packing_under_fsdp_packs_each_ranks_share():
+    prompt = list(range(100, 130))
+    rows = [prompt + [i] * (4 + i) for i in range(6)] + [list(range(200, 240))]
+    lengths = [len(r) for r in rows]
+    ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    order = list(range(len(rows)))
+    shares = split_rows(order, lengths, 2)
+    plans = [_planner(k, 2, "on").rank_micro_batches(ids, lengths, order) for k in range(2)]
+    assert {len(p[0]) for p in plans} == {max(len(p[0]) for p in plans)}  # same passes
+    assert all(p[1] for p in plans)  # both ranks pack
+    for k, (groups, _, computed) in enumerate(plans):
+        # each rank packs exactly its token-balanced share (the flat split's rows)
+        assert sorted(r for g in groups if g is not None for r in g) == shares[k]
+        assert computed == plans[0][2] < sum(lengths)  # the shared prompt computed once a rank
+    # auto with nothing shared: the flat padded split on every rank
+    plain = [list(range(10 * i, 10 * i + 30)) for i in range(4)]
+    flat_ids = torch.tensor(plain)
+    for k in range(2):
+        groups, tree, computed = _planner(k, 2, "auto").rank_micro_batches(
+            flat_ids, [30] * 4, [0, 1, 2, 3]
+        )
+        assert not tree and computed == 120
+        assert groups == padded_micro_batches([0, 1, 2, 3], [30] * 4, 64, DistContext(k, 2))
 
 
 def _load(path):
@@ -65,6 +103,43 @@ def test_fsdp_two_ranks_step_equals_single_process(tmp_path, model_path):
     assert _max_diff({k: moved[k] for k in initial}, initial) > 1e-3
     # each rank held about half of the parameter/gradient/optimizer bytes
     assert ranks[0]["state_bytes"] < 0.6 * single["state_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_two_ranks_tree_step_equals_single_process_flat(tmp_path, model_path, lora):
+    """Tree training under FSDP (and with LoRA adapters): each rank packs its token-balanced
+    share of the rows into a trie; the step equals the 1-process flat (unpacked) step."""
+    common = ["--model", model_path, "--steps", "sgd,adamw", "--shared-prefix", "16"]
+    common += ["--lora"] if lora else []
+    (flat,) = run_worker(
+        [*common, "--strategy", "single", "--tree", "off", "--out", str(tmp_path / "s")]
+    )
+    ranks = run_worker(
+        [*common, "--strategy", "fsdp", "--tree", "on", "--out", str(tmp_path / "f")], nproc=2
+    )
+    for i, name in enumerate(["sgd", "adamw"]):
+        s_step, f_step = flat["steps"][i], ranks[0]["steps"][i]
+        assert s_step["tree_packed"] == 0.0 and f_step["tree_packed"] == 1.0
+        # the shared prefixes were computed once: fewer tokens than the rows hold
+        assert f_step["computed_tokens"] < s_step["computed_tokens"]
+        assert f_step["scored_tokens"] == s_step["scored_tokens"]
+        assert f_step["loss"] == pytest.approx(s_step["loss"], rel=1e-4, abs=1e-7)
+        assert f_step["grad_norm"] == pytest.approx(s_step["grad_norm"], rel=1e-4)
+        a = _load(tmp_path / "s" / f"{i}_{name}.st")
+        b = _load(tmp_path / "f" / f"{i}_{name}.st")
+        # (under FSDP the trainable-only state dict also lists the tied, frozen lm_head)
+        assert _max_diff(a, {k: b[k] for k in a}) < 1e-5, name
+    # the SGD step moved the weights far beyond the tolerance (the test can fail): LoRA's B
+    # starts at zero, the full model at the checkpoint's weights
+    moved = _load(tmp_path / "s" / "0_sgd.st")
+    start = (
+        {k: torch.zeros_like(v) for k, v in moved.items() if "lora_B" in k}
+        if lora
+        else _load_initial(model_path)
+    )
+    step = _max_diff({k: moved[k] for k in start}, start)
+    assert step > 2e-4, step
 
 
 def _load_initial(model_path):

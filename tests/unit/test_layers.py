@@ -22,7 +22,6 @@ PENDING_SPLIT = {
     "areal_env.service.gateway": "issue 13 (durable store, drain) grew the gateway: split pending",
     "areal_env.trainer.ppo": "issue 11 (FSDP ranks, NCCL push) landed in it: split pending",
     "areal_env.trainer.actor": "issue 11 (FSDP, LoRA) grew actor and actor.update: split pending",
-    "areal_env.engine.sglang": "issue 11 (least-loaded routing, LoRA) grew it: split pending",
     "areal_env.api.config": "issues 11/16 added sections (606 lines): split pending",
 }
 

@@ -216,7 +216,13 @@ def full_state_dict(model: torch.nn.Module, *, trainable_only: bool = False) -> 
     opts = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
-    return get_model_state_dict(model, options=opts)
+    sd = get_model_state_dict(model, options=opts)
+    if trainable_only:
+        # DCP keeps a tied weight under every name (a frozen lm_head tied to the embeddings
+        # stays in); ``named_parameters`` names each parameter once, as the unsharded path does.
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if k in names}
+    return sd
 
 
 def to_local_float(value: Any) -> float:

@@ -128,8 +128,8 @@ def test_fsdp_two_ranks_tree_step_equals_single_process_flat(tmp_path, model_pat
         assert f_step["grad_norm"] == pytest.approx(s_step["grad_norm"], rel=1e-4)
         a = _load(tmp_path / "s" / f"{i}_{name}.st")
         b = _load(tmp_path / "f" / f"{i}_{name}.st")
-        # (under FSDP the trainable-only state dict also lists the tied, frozen lm_head)
-        assert _max_diff(a, {k: b[k] for k in a}) < 1e-5, name
+        assert set(a) == set(b), name  # the same names (no tied, frozen lm_head under FSDP)
+        assert _max_diff(a, b) < 1e-5, name
     # the SGD step moved the weights far beyond the tolerance (the test can fail): LoRA's B
     # starts at zero, the full model at the checkpoint's weights
     moved = _load(tmp_path / "s" / "0_sgd.st")

@@ -1,0 +1,66 @@
+"""Model wrapping helpers of the actor: LoRA adapters (and their merged export), activation
+checkpointing, and gradient sync under FSDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from areal_env.api.config import LoraConfig
+from areal_env.trainer.dist import DistContext, full_state_dict
+
+logger = logging.getLogger(__name__)
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """Activation (gradient) checkpointing, non-reentrant, across transformers versions."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _set_gradient_sync(model: Any, sync: bool) -> None:
+    """Under FSDP reduce gradients only after the last micro-batch of a minibatch."""
+    fn = getattr(model, "set_requires_gradient_sync", None)
+    if fn is not None:
+        fn(sync)
+
+
+def apply_lora(model: Any, lora: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is a dependency
+        raise RuntimeError("actor.lora needs the `peft` package: pip install peft") from e
+    cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    wrapped = get_peft_model(model, cfg)
+    n_train = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in wrapped.parameters())
+    logger.info(
+        "LoRA: %d of %d parameters trainable (%.2f%%)", n_train, n_all, 100 * n_train / n_all
+    )
+    return wrapped
+
+
+def merged_lora_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Base weights with the adapters merged in, under the base model's own names (what a
+    server without LoRA support loads). Collective under FSDP; rank 0 gets the weights."""
+    full = full_state_dict(model)
+    if not full:
+        return {}
+    from areal_env.engine.lora import merge_lora_weights
+
+    return merge_lora_weights(full, model.peft_config["default"])

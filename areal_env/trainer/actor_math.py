@@ -1,0 +1,301 @@
+"""The actor's math: the PPO token loss, token logprobs over scored positions, the batch
+records the update works on, and the update's metrics.
+
+Everything token-level is a flat vector over the *scored* tokens (loss-mask tokens at position
+>= 1). Only those positions go through the LM head, which keeps the vocab-sized logits small: a
+prompt token never needs one. The loss and logprobs are tested against plain-loop references.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_env.trainer import memory
+from areal_env.trainer.dist import DistContext, all_reduce_sums
+from areal_env.trainer.tree import tree_logits
+
+# Model classes whose logits are exactly ``lm_head(final hidden state)``: for these we run the
+# decoder and apply the head to scored positions only. Others use the full forward pass.
+_PLAIN_HEAD_MODELS = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
+}
+
+
+def scored_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Bool [B, L]: tokens that get a loss — loss-mask, inside the attention mask, position >= 1."""
+    mask = batch["loss_mask"].bool()
+    if "attention_mask" in batch:
+        mask = mask & batch["attention_mask"].bool()
+    mask = mask.clone()
+    mask[:, 0] = False
+    return mask
+
+
+def ppo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    behav_logp: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO loss (flat vectors over scored tokens) and per-token diagnostics.
+
+    ``old_logp`` is the logprob the ratio is taken against: the behaviour logprob in the plain
+    form, the recomputed *proximal* logprob in the decoupled form, where each token is further
+    weighted by the behaviour importance weight ``exp(old_logp - behav_logp)`` capped at
+    ``behav_imp_weight_cap`` (truncated importance sampling). ``ref_logp`` adds
+    ``kl_coef * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``; ``entropy`` subtracts
+    ``entropy_coef * entropy``. The caller reduces (token mean).
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).float()
+    diag: dict[str, torch.Tensor] = {
+        "clipped": clipped.detach(),
+        "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
+        "ratio": ratio.detach(),
+    }
+    if behav_logp is not None:
+        w = torch.exp(old_logp - behav_logp).detach()
+        if behav_imp_weight_cap is not None:
+            w = w.clamp(max=behav_imp_weight_cap)
+        loss = loss * w
+        diag["behav_imp_weight"] = w
+    if ref_logp is not None and kl_coef > 0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1.0
+        loss = loss + kl_coef * kl
+        diag["ref_kl"] = kl.detach()
+    if entropy is not None and entropy_coef != 0:
+        loss = loss - entropy_coef * entropy
+    return loss, diag
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 is ~4x slower there), bf16 on GPU, unless set explicitly."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def scored_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sel_next: torch.Tensor,
+) -> torch.Tensor:
+    """Logits at the positions ``sel_next`` [B, L-1] selects (position p predicts token p+1).
+
+    For plain-head models only the selected positions go through the LM head. A LoRA
+    (``peft``) wrapper is looked through; a sharded (FSDP) model runs this as a registered
+    forward method (see ``install_scored_forward``) so its root parameters are gathered.
+    """
+    fn = getattr(model, "areal_scored_logits", None)
+    if fn is not None:
+        return fn(input_ids, attention_mask, sel_next)
+    return _scored_logits_impl(model, input_ids, attention_mask, sel_next)
+
+
+def _scored_logits_impl(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sel_next: torch.Tensor,
+) -> torch.Tensor:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(inner).__name__ in _PLAIN_HEAD_MODELS:
+        hidden = inner.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )[0]
+        return inner.get_output_embeddings()(hidden[:, :-1][sel_next])
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.logits[:, :-1][sel_next]
+
+
+def install_scored_forward(model: Any) -> None:
+    """Make ``scored_logits`` a forward method of ``model`` that FSDP hooks: the root's sharded
+    parameters (embeddings, final norm, LM head) are gathered before it runs and its gradients
+    reduced after, exactly as for ``forward``."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.areal_scored_logits = types.MethodType(_scored_logits_impl, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_scored_logits")
+    model.areal_tree_logits = types.MethodType(tree_logits, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_tree_logits")
+
+
+def _plain_head(model: Any) -> bool:
+    """Whether ``model`` (looked through a LoRA wrapper) has logits = lm_head(final hidden)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(inner).__name__ in _PLAIN_HEAD_MODELS
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of the tokens selected by ``mask`` [B, L], flattened in row-major
+    order, under ``softmax(logits / temperature)`` — the distribution the sampler drew from.
+
+    ``temperature``: one number, or a [B, L] tensor giving each token's own (the temperature
+    its logprob was recorded at; ``proxy.sampling: agent`` lets it differ per row)."""
+    sel_next = mask[:, 1:]  # position p predicts token p+1
+    targets = input_ids[:, 1:][sel_next]
+    logits = scored_logits(model, input_ids, attention_mask, sel_next)
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        temps = temperature.to(logits.device)[:, 1:][sel_next].float()
+        if bool((temps != 1.0).any()):
+            logits = logits / temps.clamp_min(1e-6).unsqueeze(-1)
+    elif temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(logits, dim=-1)
+            entropy = lse - (probs * logits).sum(-1)
+    return logp, entropy
+
+
+def _first_token_mask(width: int) -> torch.Tensor:
+    """A [1, width] mask scoring only position 1: a minimal pass for padding micro-batches."""
+    m = torch.zeros(1, width, dtype=torch.bool)
+    m[0, min(1, width - 1)] = True
+    return m
+
+
+def _single_temperature(
+    temps: torch.Tensor | float, rows: list[int], mask: torch.Tensor, default: float
+) -> float | None:
+    """The one temperature the scored tokens of ``rows`` were sampled at (tree packing takes a
+    single one), ``default`` when none is scored, or None when they differ."""
+    if not isinstance(temps, torch.Tensor):
+        return float(temps)
+    idx = torch.tensor(rows)
+    scored = temps[idx][mask[idx].bool().cpu()] if len(rows) else temps.flatten()[:0]
+    if scored.numel() == 0:
+        return default
+    first = float(scored[0])
+    return first if bool((scored == first).all()) else None
+
+
+def _row_lengths(attn: torch.Tensor) -> list[int]:
+    """Valid length of each right-padded row (index of the last attended token + 1)."""
+    attn = attn.bool()
+    pos = torch.arange(attn.shape[1]).expand_as(attn)
+    last = torch.where(attn, pos, torch.full_like(pos, -1)).max(dim=1).values
+    return [max(int(x) + 1, 1) for x in last]
+
+
+@dataclass
+class MicroBatchPlan:
+    """The micro-batches of a set of rows and whether they are tree-packed."""
+
+    groups: list[list[int]]
+    tree: bool
+    logical_tokens: int  # sum of the rows' lengths
+    computed_tokens: int  # tokens the model runs over (trie nodes when packed)
+
+
+@dataclass
+class PreparedBatch:
+    """A batch with everything the update needs, flattened over scored tokens per row."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    adv: torch.Tensor  # [B, L]
+    behav_logp: torch.Tensor  # [B, L]
+    old_logp: torch.Tensor  # [B, L]  (behaviour or proximal)
+    ref_logp: torch.Tensor | None
+    stats: dict[str, float]
+    temps: torch.Tensor | float = 1.0  # [B, L] per-token sampling temperatures, or one value
+
+
+def summarize_update(
+    stats: dict[str, float],
+    sums: dict[str, float],
+    dist: DistContext,
+    *,
+    lr: float,
+    t_start: float,
+    losses: list[float],
+    grad_norms: list[float],
+    skipped_nonfinite: int,
+    trained_tokens: int,
+    packed_tokens: int,
+    tree_used: bool,
+    local_rows: int,
+) -> dict[str, float]:
+    """The update's metrics from its tallies: loss diagnostics (summed over ranks), speed and
+    memory; ``stats`` (the batch's own) is extended and returned."""
+    if dist.distributed:
+        keys = ("n", "clipped", "approx_kl", "ratio", "entropy", "ref_kl", "behav_imp_weight")
+        present = {k: sums.get(k, 0.0) for k in keys}
+        reduced = all_reduce_sums(present, dist)
+        sums = {k: v for k, v in reduced.items() if k in sums or k in ("n",) or v != 0.0}
+    denom = max(sums.get("n", 0.0), 1.0)
+    elapsed = time.perf_counter() - t_start
+    stats.update(
+        {
+            "actor/loss": sum(losses) / max(len(losses), 1),
+            "actor/clip_frac": sums.get("clipped", 0.0) / denom,
+            "actor/approx_kl": sums.get("approx_kl", 0.0) / denom,
+            "actor/ratio_mean": sums.get("ratio", 0.0) / denom,
+            "actor/entropy": sums.get("entropy", 0.0) / denom,
+            "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "actor/optimizer_steps": float(len(grad_norms)),
+            "actor/nonfinite_skipped": float(skipped_nonfinite),
+            "actor/lr": lr,
+            "time/update_s": elapsed,
+            "perf/train_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
+            "actor/tree_packed": float(tree_used),
+            "actor/computed_tokens": float(packed_tokens),
+            "actor/token_sharing": trained_tokens / packed_tokens if packed_tokens else 1.0,
+            "mem/update_peak_rss_gb": memory.peak_rss_gb(),
+        }
+    )
+    if dist.distributed:
+        stats["dist/rank0_rows"] = float(local_rows)  # rank 0 logs: its share of the rows
+    if "ref_kl" in sums:
+        stats["actor/ref_kl"] = sums["ref_kl"] / denom
+    if "behav_imp_weight" in sums:
+        stats["actor/behav_imp_weight"] = sums["behav_imp_weight"] / denom
+    return stats

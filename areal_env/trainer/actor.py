@@ -32,6 +32,7 @@ from areal_env.trainer.actor_lora import (
 from areal_env.trainer.actor_math import (
     MicroBatchPlan,
     PreparedBatch,
+    UpdateTally,
     _first_token_mask,
     _plain_head,
     _row_lengths,
@@ -375,14 +376,8 @@ class PPOActor:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + (step or self.update_count))
         n_rows = pb.mask.shape[0]
         sums: dict[str, float] = {}
-        grad_norms: list[float] = []
-        losses: list[float] = []
-        skipped_nonfinite = 0
+        tally = UpdateTally(t_start=t_start)
         self.model.train()
-        trained_tokens = 0
-        packed_tokens = 0
-        tree_used = False
-        local_rows = 0  # rows this rank trained on (all of them on one rank)
         for _ in range(a.ppo_epochs):
             perm = torch.randperm(n_rows, generator=gen).tolist()
             n_mb = min(a.ppo_n_minibatches, n_rows)
@@ -397,8 +392,8 @@ class PPOActor:
                 # FSDP averages gradients over ranks: the reduced gradient is the 1-rank one.
                 scale = self.dist.world_size / mb_tokens
                 micros, tree, computed = self.rank_micro_batches(pb.input_ids, pb.lengths, mb_rows)
-                packed_tokens += computed
-                tree_used = tree_used or tree
+                tally.packed_tokens += computed
+                tally.tree_used = tally.tree_used or tree
                 for i, micro in enumerate(micros):
                     _set_gradient_sync(self.model, i == len(micros) - 1)
                     if micro is None:  # padding: same passes on every rank, zero gradient
@@ -408,7 +403,7 @@ class PPOActor:
                     loss_sum, diag = self._micro_loss(
                         pb, micro, tree=tree, force=self.dist.distributed
                     )
-                    local_rows += len(micro)
+                    tally.local_rows += len(micro)
                     (loss_sum * scale).backward()
                     mb_loss += float(loss_sum.detach()) / mb_tokens
                     for k, v in diag.items():
@@ -419,30 +414,17 @@ class PPOActor:
                 )
                 gnorm_f = to_local_float(gnorm)
                 if not math.isfinite(gnorm_f):
-                    skipped_nonfinite += 1
+                    tally.skipped_nonfinite += 1
                     logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
-                grad_norms.append(gnorm_f)
-                losses.append(mb_loss)
-                trained_tokens += sum(pb.lengths[r] for r in mb_rows)
+                tally.grad_norms.append(gnorm_f)
+                tally.losses.append(mb_loss)
+                tally.trained_tokens += sum(pb.lengths[r] for r in mb_rows)
         self.optimizer.zero_grad(set_to_none=True)
         self.update_count += 1
-        return summarize_update(
-            stats,
-            sums,
-            self.dist,
-            lr=a.lr,
-            t_start=t_start,
-            losses=losses,
-            grad_norms=grad_norms,
-            skipped_nonfinite=skipped_nonfinite,
-            trained_tokens=trained_tokens,
-            packed_tokens=packed_tokens,
-            tree_used=tree_used,
-            local_rows=local_rows,
-        )
+        return summarize_update(stats, sums, self.dist, lr=a.lr, tally=tally)
 
     def _micro_loss(
         self, pb: PreparedBatch, rows: list[int], *, tree: bool = False, force: bool = False

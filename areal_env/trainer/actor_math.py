@@ -9,7 +9,7 @@ prompt token never needs one. The loss and logprobs are tested against plain-loo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -249,23 +249,32 @@ class PreparedBatch:
     temps: torch.Tensor | float = 1.0  # [B, L] per-token sampling temperatures, or one value
 
 
+@dataclass
+class UpdateTally:
+    """What one update counts as it goes, for its metrics."""
+
+    t_start: float
+    losses: list[float] = field(default_factory=list)  # per optimiser step
+    grad_norms: list[float] = field(default_factory=list)  # per optimiser step
+    skipped_nonfinite: int = 0  # optimiser steps skipped for a non-finite gradient norm
+    trained_tokens: int = 0  # tokens of the rows trained on (logical)
+    packed_tokens: int = 0  # tokens the model computed (fewer when trees share prefixes)
+    tree_used: bool = False
+    local_rows: int = 0  # rows this rank trained on (all of them on one rank)
+
+
 def summarize_update(
     stats: dict[str, float],
     sums: dict[str, float],
     dist: DistContext,
     *,
     lr: float,
-    t_start: float,
-    losses: list[float],
-    grad_norms: list[float],
-    skipped_nonfinite: int,
-    trained_tokens: int,
-    packed_tokens: int,
-    tree_used: bool,
-    local_rows: int,
+    tally: UpdateTally,
 ) -> dict[str, float]:
     """The update's metrics from its tallies: loss diagnostics (summed over ranks), speed and
     memory; ``stats`` (the batch's own) is extended and returned."""
+    t_start, losses, grad_norms = tally.t_start, tally.losses, tally.grad_norms
+    trained_tokens, packed_tokens = tally.trained_tokens, tally.packed_tokens
     if dist.distributed:
         keys = ("n", "clipped", "approx_kl", "ratio", "entropy", "ref_kl", "behav_imp_weight")
         present = {k: sums.get(k, 0.0) for k in keys}
@@ -282,18 +291,18 @@ def summarize_update(
             "actor/entropy": sums.get("entropy", 0.0) / denom,
             "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "actor/optimizer_steps": float(len(grad_norms)),
-            "actor/nonfinite_skipped": float(skipped_nonfinite),
+            "actor/nonfinite_skipped": float(tally.skipped_nonfinite),
             "actor/lr": lr,
             "time/update_s": elapsed,
             "perf/train_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
-            "actor/tree_packed": float(tree_used),
+            "actor/tree_packed": float(tally.tree_used),
             "actor/computed_tokens": float(packed_tokens),
             "actor/token_sharing": trained_tokens / packed_tokens if packed_tokens else 1.0,
             "mem/update_peak_rss_gb": memory.peak_rss_gb(),
         }
     )
     if dist.distributed:
-        stats["dist/rank0_rows"] = float(local_rows)  # rank 0 logs: its share of the rows
+        stats["dist/rank0_rows"] = float(tally.local_rows)  # rank 0 logs: its share of the rows
     if "ref_kl" in sums:
         stats["actor/ref_kl"] = sums["ref_kl"] / denom
     if "behav_imp_weight" in sums:

@@ -1,10 +1,17 @@
 """``AgentRunner``: run an async agent over a dataset through the training service.
 
 Retries are sized to outlast a service restart: connection failures and 410/502/503/504
-answers (410: a session the service lost, e.g. in a restart) are retried in a fresh session with exponential
-backoff (honouring ``Retry-After``) for up to ``retry_for`` seconds; "busy" answers (429: a
-quota, or the trainer has enough rollouts in flight) for up to ``patience`` seconds. An attempt
-that will not be retried tells the service so, and its GRPO group stops waiting for it.
+answers (410: a session the service lost, e.g. in a restart) are retried in a fresh session of
+the same GRPO group with exponential backoff (honouring ``Retry-After``) while the sample has
+spent less than ``retry_for`` seconds without a session; "busy" answers (429: a quota, or the
+trainer has enough rollouts in flight) for up to ``patience`` seconds of waiting. Only the time
+a sample spends failing counts: neither its wait for a concurrency slot nor the episodes it ran,
+so an episode cut by a restart late in a long run is retried as readily as an early one.
+
+Exactly once: before a retry, the runner asks the service what became of the failed attempt's
+session. One that is ``done`` was stored (e.g. the finalize reached the service but its answer
+was lost in a restart): it is counted, not run again, so its group gets no extra member. An
+attempt that will not be retried tells the service so, and its group stops waiting for it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ from typing import Any
 
 import httpx
 
-from areal_env_client.session import AgentServiceError, AgentSession, default_service_url
+from areal_env_client.hooks import SESSION_HEADER
+from areal_env_client.session import (
+    AgentServiceError,
+    AgentSession,
+    check_response,
+    default_service_url,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,23 +100,68 @@ AgentFn = Callable[[Any], Awaitable[float | None]]
 
 @dataclass
 class _Attempts:
-    """Retry bookkeeping of one sample."""
+    """Retry bookkeeping of one sample: how long it has been without a session because the
+    service was unavailable (``down``) or busy (429), and its failures.
+
+    The clocks run only from a failure until the service gives the sample a session again: a
+    sample's time in the concurrency queue and in its episodes never counts, so the budget
+    ``retry_for`` measures outages, whenever in a long run they happen.
+    """
 
     retry_for: float
     patience: float
     max_retries: int | None
-    started: float = field(default_factory=time.monotonic)
     failures: int = 0
+    spent: dict[str, float] = field(default_factory=lambda: {"busy": 0.0, "down": 0.0})
+    waiting: tuple[str, float] | None = None
+    """``(kind, since)``: without a session since a failure of that kind."""
+
+    @staticmethod
+    def _kind(exc: BaseException) -> str:
+        return "busy" if _status_of(exc) == 429 else "down"
+
+    def _spent(self, kind: str, now: float) -> float:
+        total = self.spent[kind]
+        if self.waiting is not None and self.waiting[0] == kind:
+            total += now - self.waiting[1]
+        return total
 
     def will_retry(self, exc: BaseException) -> bool:
-        elapsed = time.monotonic() - self.started
+        now = time.monotonic()
         if _status_of(exc) == 429:
-            return elapsed < self.patience
+            return self._spent("busy", now) < self.patience
         if not is_transient(exc):
             return False
         if self.max_retries is not None and self.failures + 1 > self.max_retries:
             return False
-        return elapsed < self.retry_for
+        return self._spent("down", now) < self.retry_for
+
+    def failed(self, exc: BaseException) -> None:
+        """A failure that will be retried: the sample is without a session from now."""
+        now = time.monotonic()
+        self._settle_clock(now)
+        kind = self._kind(exc)
+        if kind == "down":
+            self.failures += 1
+        self.waiting = (kind, now)
+
+    def got_session(self) -> None:
+        """The service opened a session for the sample: the outage (or busy wait) is over."""
+        self._settle_clock(time.monotonic())
+
+    def _settle_clock(self, now: float) -> None:
+        if self.waiting is not None:
+            kind, since = self.waiting
+            self.spent[kind] += now - since
+            self.waiting = None
+
+
+@dataclass
+class _Episode:
+    """One attempt: its session (once the service opened it) and the agent's reward."""
+
+    session_id: str | None = None
+    reward: float | None = None
 
 
 class AgentRunner:
@@ -145,9 +203,13 @@ class AgentRunner:
     ) -> list[AgentResult]:
         """Run every item ``group_size`` times; returns one ``AgentResult`` per item.
 
-        Transient failures are retried for up to ``retry_for`` seconds (and at most
-        ``max_retries`` times when given), 429 answers for up to ``patience`` seconds; delays
+        Transient failures are retried (in a fresh session of the same group) until the sample
+        has spent ``retry_for`` seconds without a session since its first failure (and at most
+        ``max_retries`` times when given), 429 answers until it has waited ``patience`` seconds
+        on them; time queued for a concurrency slot or running episodes does not count. Delays
         grow from ``backoff`` to ``max_backoff`` seconds, or follow the service's Retry-After.
+        An attempt whose session the service reports ``done`` (stored, though its answer was
+        lost) is counted, not run again.
         """
         items = list(dataset)
         if concurrency < 1 or group_size < 1 or (max_retries is not None and max_retries < 0):
@@ -170,15 +232,30 @@ class AgentRunner:
 
             async def one(index: int, sample: int) -> None:
                 res = results[index]
+                group_id = f"{prefix}-{index}"
                 state = _Attempts(retry_for, patience, max_retries)
+                tries = 0
                 async with semaphore:
+                    unsettled: _Episode | None = None
                     while True:
-                        res.attempts[sample] += 1
+                        tries += 1
+                        episode: _Episode | None = None
                         try:
-                            reward, sid = await self._episode(
-                                http, agent_fn, res.item, f"{prefix}-{index}", state
-                            )
-                            res.rewards[sample], res.session_ids[sample] = reward, sid
+                            if unsettled is not None:
+                                # The last attempt failed after its session opened: was it
+                                # stored anyway (e.g. its finalize's answer was lost)?
+                                if await self._stored(http, unsettled.session_id):
+                                    episode = unsettled
+                                else:
+                                    unsettled = None
+                            if episode is None:
+                                res.attempts[sample] += 1
+                                episode = _Episode()
+                                await self._episode(
+                                    http, agent_fn, res.item, group_id, state, episode
+                                )
+                            res.rewards[sample] = episode.reward
+                            res.session_ids[sample] = episode.session_id
                             res.errors[sample] = None
                             break
                         except Exception as e:  # noqa: BLE001 - reported per item
@@ -186,9 +263,10 @@ class AgentRunner:
                             if not state.will_retry(e):
                                 logger.warning("item %d sample %d failed: %s", index, sample, e)
                                 break
-                            if _status_of(e) != 429:
-                                state.failures += 1
-                            step = min(res.attempts[sample] - 1, 10)
+                            if unsettled is None and episode is not None and episode.session_id:
+                                unsettled = episode
+                            state.failed(e)
+                            step = min(tries - 1, 10)
                             delay = min(backoff * 2**step, max_backoff) * (0.5 + random.random())
                             hint = _retry_after_of(e)
                             if hint is not None:
@@ -213,7 +291,8 @@ class AgentRunner:
         item: Any,
         group_id: str,
         state: _Attempts,
-    ) -> tuple[float | None, str | None]:
+        episode: _Episode,
+    ) -> None:
         session = AgentSession(
             self.service_url,
             self.api_key,
@@ -223,19 +302,45 @@ class AgentRunner:
             set_env=False,  # concurrent sessions: the header hook names each one
         )
         async with session:
+            episode.session_id = session.session_id
+            state.got_session()
             try:
                 reward = await agent_fn(item)
             except BaseException as e:
                 # Tell the service whether this group member will come back.
                 session.retry_on_failure = isinstance(e, Exception) and state.will_retry(e)
                 raise
+            episode.reward = None if reward is None else float(reward)
             if reward is not None and session.finalized is None:
                 await session.finalize(float(reward))
             if session.finalized is not None and session.finalized.get("status") == "failed":
                 raise AgentServiceError(
                     422, f"session failed: {session.finalized.get('reason', 'unknown')}"
                 )
-        return (None if reward is None else float(reward)), session.session_id
+
+    async def _stored(self, http: httpx.AsyncClient, session_id: str | None) -> bool:
+        """Whether the service stored the trajectory of ``session_id`` (its state is ``done``).
+
+        A session still finalizing is asked again after a backoff (a retryable 503); one still
+        open, whose attempt failed on this side, is finalized as failed (its group keeps waiting
+        for the retry) so it does not hold a slot until it idles out."""
+        if session_id is None:
+            return False
+        headers = {"Authorization": f"Bearer {self.api_key}", SESSION_HEADER: session_id}
+        resp = await http.get(f"{self.service_url}/rl/v1/sessions/{session_id}", headers=headers)
+        if resp.status_code == 404:
+            return False  # unknown here (e.g. the service's store was replaced): run it again
+        data = check_response(resp)
+        state = data.get("state")
+        if state == "finalizing":
+            raise AgentServiceError(503, f"session {session_id} is still being finalized", 1.0)
+        if state == "open":
+            resp = await http.post(
+                f"{self.service_url}/rl/v1/finalize", json={"status": "failed"}, headers=headers
+            )
+            if resp.status_code >= 400 and resp.status_code not in (409, 410):
+                check_response(resp)  # raises: asked again after a backoff
+        return state == "done"
 
     def run_sync(
         self, agent_fn: AgentFn, dataset: Iterable[Any], **kwargs: Any

@@ -131,9 +131,15 @@ class ExternalTrajectorySource:
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._closed = False
         self._version = 0
-        self._version0: int | None = None
         self.admission_control = admission_control
         self._admitted = 0
+        """Sessions admitted since this source started (reloaded trajectories included)."""
+        self._batches_taken = 0
+        """Batches handed to the trainer since this source started."""
+        self._steps_done = 0
+        """Of those, the ones whose training step has finished: the trainer moved the version
+        on, or came back for the next batch (its update was skipped). The admission limit
+        grows with them, not with versions: see ``_admission_limit``."""
         self._failed_since_batch = 0
         self._invalid_since_batch = 0
         self.total_received = 0
@@ -243,8 +249,8 @@ class ExternalTrajectorySource:
         now_wall, now_mono = time.time(), time.monotonic()
         with self._lock:
             self._step = restored_step
-            if trainer_version is not None:  # admission counts from the resumed version
-                self._version = self._version0 = int(trainer_version)
+            if trainer_version is not None:
+                self._version = int(trainer_version)
             for st in stored:
                 group = self._group_for(st.group_key or None)
                 if not group.members:  # its wait counts from its first member's arrival
@@ -301,20 +307,23 @@ class ExternalTrajectorySource:
     # -- admission (staleness control at session start) -----------------------------------
 
     def _admission_limit(self) -> int:
-        """Sessions that may have started by now: ``(versions trained + offpolicyness + 1)``
-        batches. A session admitted under this limit is consumed at most
-        ``max_head_offpolicyness`` versions after its weights (AReaL's rule)."""
-        trained = self._version - (self._version0 if self._version0 is not None else 0)
+        """Sessions that may have started by now: ``(steps finished + offpolicyness + 1)``
+        batches' worth. A session admitted under this limit is consumed at most
+        ``max_head_offpolicyness`` steps, so at most as many versions, after its weights
+        (AReaL's rule).
+
+        Counted in finished steps, not in versions: a step whose update is skipped (every
+        advantage 0, e.g. all-equal rewards) leaves the version where it was, and a version
+        count then stops growing while the trainer keeps consuming; every new session (a
+        restart-failed member's retry included) waited for a version that never came."""
         per_batch = self.batch_size * self.n_samples
-        return (trained + self.max_head_offpolicyness + 1) * per_batch
+        return (self._steps_done + self.max_head_offpolicyness + 1) * per_batch
 
     def try_admit(self) -> bool:
         """Take an admission slot if one is free (always True without admission control)."""
         if not self.admission_control:
             return True
         with self._lock:
-            if self._version0 is None:
-                self._version0 = self._version
             if self._admitted < self._admission_limit():
                 self._admitted += 1
                 return True
@@ -327,7 +336,7 @@ class ExternalTrajectorySource:
         self._wake()
 
     async def admit(self, timeout: float | None = None) -> bool:
-        """Wait (no polling: woken by version bumps and failures) for an admission slot."""
+        """Wait (no polling: woken when a training step ends or a session fails) for a slot."""
         if self.try_admit():
             return True
         loop = asyncio.get_running_loop()
@@ -412,13 +421,18 @@ class ExternalTrajectorySource:
 
     def set_version(self, version: int) -> None:
         with self._lock:
-            if self._version0 is None and self._admitted == 0:
-                self._version0 = int(version)
             self._version = int(version)
-        self._wake()  # admission waiters may proceed
+        self._step_finished()
 
     def get_version(self) -> int:
         return self._version
+
+    def _step_finished(self) -> None:
+        """The trainer is done with every batch it took (it moved the version on, or asks for
+        the next batch): admission may grow (``_admission_limit``)."""
+        with self._lock:
+            self._steps_done = self._batches_taken
+        self._wake()
 
     @property
     def num_ready_groups(self) -> int:
@@ -478,6 +492,7 @@ class ExternalTrajectorySource:
         ``timeout`` (seconds) returns ``(None, stats)`` when not enough groups arrived.
         """
         want = int(batch_size or self.batch_size)
+        self._step_finished()  # the previous step is over, whether it updated or not
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         loop = asyncio.get_running_loop()
@@ -524,6 +539,9 @@ class ExternalTrajectorySource:
                 self._waiters.discard(waiter)
         step = self._step + 1 if step is None else int(step)
         self._step = step
+        if selected or stale_trajs:
+            with self._lock:
+                self._batches_taken += 1
         if self.store is not None:
             consumed = [t.row_id for g in selected for t in g if t.row_id is not None]
             dropped = [t.row_id for t in stale_trajs if t.row_id is not None]

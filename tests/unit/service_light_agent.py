@@ -2,6 +2,8 @@
 openai SDK. It speaks the OpenAI protocol with httpx, inside ``AgentRunner`` sessions.
 
 Usage: OPENAI_BASE_URL=<service>/v1 OPENAI_API_KEY=<key> python service_light_agent.py N GROUP
+[THINK]: each episode makes one model call, then "thinks" THINK seconds (default 0) before it
+returns its reward, so its session stays open for at least that long, as a real agent's does.
 Prints one JSON line: {"sessions": [[...], ...], "errors": [...], "torch": false}.
 """
 
@@ -15,6 +17,8 @@ import sys
 
 import httpx
 from areal_env_client import AgentRunner
+
+THINK = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 
 
 async def agent(item: dict) -> float:
@@ -30,6 +34,7 @@ async def agent(item: dict) -> float:
         )
         r.raise_for_status()
         text = r.json()["choices"][0]["message"]["content"] or ""
+    await asyncio.sleep(THINK)
     return 1.0 if len(text.split()) <= 2 else 0.0
 
 

@@ -342,13 +342,24 @@ async def test_admission_control_waits_for_the_trainer(engine, tokenizer):
     )
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as h:
-            assert (await h.post("/rl/v1/sessions", headers=bearer(ALICE))).status_code == 200
+            r = await h.post("/rl/v1/sessions", headers=bearer(ALICE))
+            assert r.status_code == 200
+            sid = r.json()["session_id"]
             r = await h.post("/rl/v1/sessions", headers=bearer(BOB))  # limit (0+0+1) x 1 x 1
             assert r.status_code == 429 and "in flight" in r.json()["error"]["message"]
             assert (await h.post("/rl/v1/sessions", headers=bearer(BOB))).status_code == 429
+            body = {"model": "m", "messages": MSG, "max_tokens": 3}
+            r = await h.post("/v1/chat/completions", json=body, headers=bearer(ALICE, sid))
+            assert r.status_code == 200
+            r = await h.post(
+                "/rl/v1/finalize", json={"final_reward": 1.0}, headers=bearer(ALICE, sid)
+            )
+            assert r.json()["status"] == "ok"
+            await stack.source.rollout_batch(trainer_version=0, timeout=30)  # a step trains it
             waiting = asyncio.create_task(h.post("/rl/v1/sessions", headers=bearer(BOB)))
             await asyncio.sleep(0.2)
-            stack.source.set_version(1)  # a training step finished
+            assert not waiting.done()  # the step is not over yet
+            stack.source.set_version(1)  # now it is
             assert (await waiting).status_code == 200
     finally:
         stack.gateway.stop()

@@ -23,6 +23,8 @@ import httpx
 import pytest
 import yaml
 
+from areal_env.service.sessions import RESTARTED
+
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(__file__).with_name("service_light_agent.py")
 KEY = "restart-user-key"
@@ -113,12 +115,38 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
 
 
+def _db_rows(run_dir: Path, query: str, params: tuple = ()) -> list[tuple]:
+    """Rows of ``query`` on the service store, read while the server writes it (WAL)."""
+    path = run_dir / "service.db"
+    if not path.is_file():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    try:
+        return db.execute(query, params).fetchall()
+    except sqlite3.OperationalError:  # the tables are not created yet
+        return []
+    finally:
+        db.close()
+
+
+def _open_sessions(run_dir: Path) -> set[str]:
+    return {r[0] for r in _db_rows(run_dir, "SELECT id FROM sessions WHERE state = 'open'")}
+
+
+def _restart_failed(run_dir: Path) -> set[str]:
+    """Sessions a start of the service failed because they were open when it last stopped."""
+    query = "SELECT id FROM sessions WHERE state = 'failed' AND error = ?"
+    return {r[0] for r in _db_rows(run_dir, query, (RESTARTED,))}
+
+
+def _under_way(run_dir: Path, step: int) -> bool:
+    """``step`` has taken its batch (rows consumed at it, not checkpointed yet) or is done."""
+    query = "SELECT COUNT(*) FROM trajectories WHERE consumed_step = ?"
+    consumed = _db_rows(run_dir, query, (step,))
+    return step in _steps(run_dir) or bool(consumed and consumed[0][0])
+
+
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="open bug (issue 13): on a quiet machine the agents finish before the SIGKILL this "
-    "test times with a 10 s sleep; killing right after step 2 instead left one group with a "
-    "failed member that the light-client agent never replaced (the run waited for step 4)"
-)
 def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, light_client_python):
     port = _free_port()
     steps, batch, group = 4, 2, 2
@@ -151,7 +179,9 @@ def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, ligh
         servers[0].listening()
         n_items = steps * batch  # one GRPO group per item: exactly what 4 steps consume
         agent = subprocess.Popen(
-            [str(light_client_python), str(AGENT), str(n_items), str(group)],
+            # Each episode thinks 1 s after its model call: sessions stay open long enough that a
+            # kill timed by the store's state finds some open, on fast machines too.
+            [str(light_client_python), str(AGENT), str(n_items), str(group), "1.0"],
             env={
                 "PATH": os.environ["PATH"],
                 "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1",
@@ -168,21 +198,34 @@ def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, ligh
         assert any("drain" in x for x in servers[0].lines), servers[0].log()
         assert agent.poll() is None, "the agents should still be running"
 
-        # 2. SIGKILL while step 2 trains, whatever it is doing.
+        # 2. SIGKILL once the next step has taken its batch (while it trains, or just after),
+        # with agent sessions open: timed by the store's state, not by a clock.
         servers.append(Server(cfg_path, env))
         servers[1].listening()
         models = httpx.get(
             f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
         )
         assert [m["id"] for m in models.json()["data"]] == ["svc/restart"]  # not a cache path
-        time.sleep(10)
+        next_step = max(_steps(run_dir)) + 1  # 2, or 3 if the drain finished step 2
+        assert next_step <= steps
+        servers[1].wait_for(
+            lambda: _under_way(run_dir, next_step) and bool(_open_sessions(run_dir)),
+            f"step {next_step} under way with agent sessions open",
+            600,
+        )
         servers[1].proc.kill()
         servers[1].proc.wait(timeout=60)
         assert agent.poll() is None, "the agents should still be running"
+        open_at_kill = _open_sessions(run_dir)
+        failed_before = _restart_failed(run_dir)
 
         # 3. Restart and finish.
         servers.append(Server(cfg_path, env))
         servers[2].listening()
+        # The premise: sessions were open when the server died; the restart failed them, and
+        # their agents must run those episodes again in the same groups.
+        assert open_at_kill, "no agent session was open at the SIGKILL"
+        assert _restart_failed(run_dir) - failed_before == open_at_kill
         out, err = agent.communicate(timeout=900)
         assert agent.returncode == 0, err[-3000:]
         assert servers[2].proc.wait(timeout=600) == 0, servers[2].log()

@@ -1,7 +1,9 @@
-"""``AgentRunner`` across a service restart, on the real gateway, proxies, model and SQLite store:
-a group member whose session the restart failed is run again in its group, however late in the
-run; an attempt the service stored although its answer was lost is counted, not run again. So
-every group completes with exactly ``n_samples`` members (nothing waits for ``group_timeout``).
+"""A group member lost in a service restart, on the real gateway, proxies, model and SQLite
+store: ``AgentRunner`` runs it again in its group however late in its episode the restart came;
+the service admits that retry (and every later session) even when the trainer's steps skip their
+update and the version stays; an attempt the service stored although its answer was lost is
+counted, not run again. So every group completes with exactly ``n_samples`` members and nothing
+waits for ``group_timeout`` (or forever).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from areal_env_client.runner import _Attempts
 from areal_env.api.config import ProxyConfig
 from areal_env.api.service_config import ServiceConfig
 from areal_env.proxy.server import ProxyServer
-from areal_env.service.client import AgentRunner, current_session
+from areal_env.service.client import AgentRunner, AgentSession, current_session
 from areal_env.service.gateway import RESTARTED, GatewayServer
 from areal_env.service.source import ExternalTrajectorySource
 from areal_env.service.store import open_store
@@ -40,7 +42,9 @@ def _stop(stack: ServiceStack) -> None:
     stack.source.store.close()
 
 
-def _restart(engine, tokenizer, db: str, port: int, old: ServiceStack) -> ServiceStack:
+def _restart(
+    engine, tokenizer, db: str, port: int, old: ServiceStack, *, admission: bool = False
+) -> ServiceStack:
     """Stop ``old`` with its sessions open (as a crash leaves them) and start the service again
     on the same port and store; the new proxies start first so the outage is short."""
     proxies = [
@@ -48,9 +52,14 @@ def _restart(engine, tokenizer, db: str, port: int, old: ServiceStack) -> Servic
     ]
     _stop(old)
     store = open_store(db)
-    source = ExternalTrajectorySource(n_samples=2, batch_size=1, store=store)
+    source = ExternalTrajectorySource(
+        n_samples=2, batch_size=1, store=store, admission_control=admission
+    )
+    config = ServiceConfig(
+        api_keys=list(SERVICE_USER_KEYS), port=port, health_interval=0.2, admission_timeout=1.0
+    )
     gateway = GatewayServer(
-        ServiceConfig(api_keys=list(SERVICE_USER_KEYS), port=port, health_interval=0.2),
+        config,
         backends=[(p.base_url, p.admin_key) for p in proxies],
         source=source,
         store=store,
@@ -138,6 +147,63 @@ async def test_a_member_lost_in_a_restart_late_in_its_episode_is_rerun_in_its_gr
         assert r.json()["state"] == "failed" and r.json()["error"] == RESTARTED
     finally:
         run.cancel()
+        _stop(stack)
+
+
+async def _episode(url: str, group: str) -> str:
+    """One session of ``group``: a model call, then the reward 0 (every reward equal: the
+    trainer's update is skipped and its version stays)."""
+    async with AgentSession(url, ALICE, group_id=group) as session:
+        await _model_call(url)
+        await session.finalize(0.0)
+    assert session.session_id is not None
+    return session.session_id
+
+
+async def test_a_restart_failed_member_is_admitted_again_though_steps_skip_their_update(
+    engine, tokenizer, tmp_path
+):
+    """The hang the SIGKILL restart test found: admission grew with the trainer's version, and
+    a step whose update is skipped (all-equal rewards) leaves it; after a restart the reloaded
+    trajectories filled the limit, so the retry of a member the restart failed, and every later
+    session, waited forever."""
+    db, port = str(tmp_path / "service.db"), _free_port()
+    stack = make_service_stack(
+        engine,
+        tokenizer,
+        n_samples=2,
+        store=open_store(db),
+        port=port,
+        admission=True,
+        admission_timeout=1.0,
+    )
+    stack.source.load(0, trainer_version=0)  # admits (0 + 0 + 1) x 1 x 2 = 2 sessions
+    url = stack.base_url
+    trainer: asyncio.Task | None = None
+    try:
+        first = await _episode(url, "a")
+        lost = AgentSession(url, ALICE, group_id="a")
+        await lost.__aenter__()  # open when the service dies
+        lost._deactivate()
+        stack = await asyncio.to_thread(
+            _restart, engine, tokenizer, db, port, stack, admission=True
+        )
+        assert stack.source.load(0, trainer_version=0) == 1
+        retry = await _episode(url, "a")  # the lost member, run again in its group
+        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        assert stats["groups/accepted"] == 1 and stats["groups/incomplete"] == 0
+        assert {e["session_id"] for e in stack.source.last_episodes} == {first, retry}
+        # Step 1's update is skipped (no new version); the trainer asks for step 2's batch.
+        trainer = asyncio.create_task(
+            stack.source.rollout_batch(trainer_version=0, step=2, timeout=60)
+        )
+        second = [await _episode(url, "b") for _ in range(2)]  # admitted, not 429
+        _, stats = await asyncio.wait_for(trainer, 60)
+        assert {e["session_id"] for e in stack.source.last_episodes} == set(second)
+        assert stack.source.get_version() == 0
+    finally:
+        if trainer is not None:
+            trainer.cancel()
         _stop(stack)
 
 

@@ -107,6 +107,15 @@ async def test_executor_prefetch_interface():
     await src.aclose()
 
 
+def _take_batch_in_another_loop(src: ExternalTrajectorySource) -> threading.Thread:
+    """The trainer's side: take a batch from its own thread and event loop."""
+    thread = threading.Thread(
+        target=lambda: asyncio.run(src.rollout_batch(trainer_version=src.get_version(), timeout=5))
+    )
+    thread.start()
+    return thread
+
+
 async def test_admission_bounds_sessions_by_staleness_and_wakes_on_version():
     src = ExternalTrajectorySource(
         n_samples=2, batch_size=1, max_head_offpolicyness=1, admission_control=True
@@ -115,6 +124,10 @@ async def test_admission_bounds_sessions_by_staleness_and_wakes_on_version():
     assert not await src.admit(timeout=0.1)
     src.put_failed("g")  # a failed session gives its slot back
     assert await src.admit(timeout=0.1)
+    src.put(export(1.0), "g")
+    src.put(export(0.0), "g")
+    _take_batch_in_another_loop(src).join()  # step 1 takes its batch and trains...
+    assert not src.try_admit()  # ... the limit grows only once the step is over
     waiter = asyncio.create_task(src.admit(timeout=10))
     await asyncio.sleep(0.05)
     assert not waiter.done()
@@ -123,3 +136,30 @@ async def test_admission_bounds_sessions_by_staleness_and_wakes_on_version():
     assert await asyncio.wait_for(waiter, 5) and time.monotonic() - t0 < 2
     assert src.try_admit() and not src.try_admit()  # limit is now (1 + 1 + 1) x 2 = 6
     assert ExternalTrajectorySource(n_samples=1, batch_size=1).try_admit()  # off by default
+
+
+async def test_admission_grows_with_steps_whose_update_was_skipped():
+    """All-equal rewards give every advantage 0: the trainer skips the update and the version
+    stays. Admission still grows once the step is over (the trainer asks for the next batch),
+    or no session would ever be admitted again."""
+    src = ExternalTrajectorySource(
+        n_samples=2, batch_size=1, max_head_offpolicyness=0, admission_control=True
+    )
+    trainer: asyncio.Task | None = None
+    for step in range(3):
+        assert [src.try_admit() for _ in range(3)] == [True, True, False], step
+        waiter = asyncio.create_task(src.admit(timeout=10))
+        src.put(export(0.0), f"g{step}")
+        src.put(export(0.0), f"g{step}")
+        if trainer is None:
+            await src.rollout_batch(trainer_version=0, timeout=5)
+        else:
+            await asyncio.wait_for(trainer, 5)
+        await asyncio.sleep(0.05)  # the step trains; its update is skipped, no new version
+        assert not waiter.done()
+        trainer = asyncio.create_task(src.rollout_batch(trainer_version=0, timeout=10))
+        assert await asyncio.wait_for(waiter, 5)  # the trainer is back: the step is over
+        src.release_admission()  # the waiter's slot: the next round admits two again
+    assert trainer is not None
+    trainer.cancel()
+    assert src.get_version() == 0

@@ -46,6 +46,14 @@ class GenerationConfig:
     those of that restricted distribution (0 for a forced token): the behaviour policy of the
     importance ratio, so forced tokens carry no gradient. Engines that cannot constrain (SGLang)
     ignore it."""
+    choice_exploration: float = 0.0
+    """Exploration of a constrained start (``prefix_choices``, the tool named by a
+    ``tool_choice: required`` call): at each point where several tokens are allowed, with this
+    probability the token is drawn uniformly among them instead of from the model. Its reported
+    logprob stays the model's (restricted) one, so the trainer treats the draw as the policy's
+    own: a deliberate, epsilon-greedy-style bias towards trying every offered tool, for a model
+    that almost never picks some of them (0 = off; greedy requests ignore it). Engines that
+    cannot constrain (SGLang) ignore it."""
     stop_at_json_end: str | None = None
     """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
     closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
@@ -64,6 +72,12 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.choice_exploration, bool) or not (
+            isinstance(self.choice_exploration, int | float) and 0 <= self.choice_exploration <= 1
+        ):
+            raise ValueError(
+                f"choice_exploration must be in [0, 1] (0 = off), got {self.choice_exploration!r}"
+            )
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]

@@ -27,6 +27,7 @@ class RowSampling:
     top_p: float
     rng: random.Random | None  # None for greedy rows
     choices: list[list[int]] | None = None  # constrained start (GenerationConfig.prefix_choices)
+    explore: float = 0.0  # GenerationConfig.choice_exploration
 
     def allowed(self, out_tokens: list[int]) -> list[int] | None:
         """Tokens allowed next after ``out_tokens`` (None = any): while the output is still a
@@ -90,6 +91,10 @@ def sample_rows(
     model finds unlikely (logprob -38 at T=0.4) made the ratio explode to e^37 as soon as the
     update raised it, and one such token dominated the PPO loss (approx_kl 3e16 at step 3 of a
     T=0.4 run); a forced token is no choice of the policy and must carry no gradient.
+
+    A sampled constrained row with ``explore > 0`` (``GenerationConfig.choice_exploration``)
+    replaces its draw, with that probability, by a uniform pick among the allowed tokens and
+    still reports the restricted model logprob of the token it took (see the field's docs).
     """
     device = logits.device
     temp = torch.tensor(
@@ -109,8 +114,11 @@ def sample_rows(
             ids = torch.tensor(allowed[i], dtype=torch.long, device=device)  # type: ignore[index]
             row = torch.full_like(logp[i], float("-inf"))
             row[ids] = full[i, ids]
-            logp[i] = row
+            # Normalised before it is drawn from: at a low temperature every allowed token may
+            # be so unlikely that exp() of the unnormalised row underflows to 0 everywhere, and
+            # the inverse-CDF draw would then return a token outside the allowed set.
             report[i] = row - torch.logsumexp(row, dim=-1)
+            logp[i] = report[i]
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
@@ -123,5 +131,11 @@ def sample_rows(
         )
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         chosen.index_copy_(0, idx, draw.clamp_(max=logp.shape[-1] - 1))
+    for i in constrained:
+        row_s = rows[i]
+        ids = allowed[i]  # type: ignore[index]
+        if row_s.explore > 0 and row_s.rng is not None and len(ids) > 1:
+            if row_s.rng.random() < row_s.explore:
+                chosen[i] = ids[row_s.rng.randrange(len(ids))]
     token_logp = report.gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), token_logp.tolist()

@@ -390,6 +390,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
                 top_p=float(g.top_p),
                 rng=rng,
                 choices=[list(c) for c in g.prefix_choices] if g.prefix_choices else None,
+                explore=float(g.choice_exploration),
             ),
             json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
         )

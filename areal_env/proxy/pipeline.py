@@ -167,6 +167,7 @@ class ProxyState:
                 stop_token_ids=list(self.renderer.stop_token_ids),
                 seed=creq.seed,
                 prefix_choices=required.choices if required else None,
+                choice_exploration=sampling.choice_exploration if required else 0.0,
                 stop_at_json_end=required.json_start if required else None,
             )
         except ValueError as e:

@@ -11,6 +11,10 @@ row, where the trainer reads it):
   for is recorded next to what was used (``requested``), so an override is visible.
 - ``agent``: the agent's own parameters are used (unset ones default to 1.0 / off).
 
+``gconfig.choice_exploration`` (exploring the tool a ``required`` call names) is the trainer's
+alone: it applies in ``trainer`` mode to sampled, not greedy, completions and is recorded with
+each of them.
+
 A session may carry its own parameters (``/rl/start_session`` ``sampling``): evaluation sessions
 are greedy in both modes. Without a trainer gconfig (a stand-alone proxy) the agent decides.
 """
@@ -36,6 +40,8 @@ class Sampling:
     top_k: int
     max_new_tokens: int
     greedy: bool
+    choice_exploration: float = 0.0
+    """``GenerationConfig.choice_exploration`` (trainer mode only; 0 when greedy)."""
 
     @property
     def logprob_temperature(self) -> float:
@@ -95,12 +101,14 @@ def resolve_sampling(
     if mode == "trainer" and trainer_gconfig is not None:
         g = trainer_gconfig
         t, p, k, greedy = g.temperature, g.top_p, g.top_k, g.is_greedy
+        explore = float(g.choice_exploration)
         max_new = min(max_new, g.max_new_tokens)
     else:
         t = 1.0 if temperature is None else temperature
         p = 1.0 if top_p is None or top_p == 0 else top_p
         k = top_k or 0
         greedy = t == 0 or top_p == 0
+        explore = 0.0
     if session:
         t = float(session.get("temperature", t))
         p = float(session.get("top_p", p))
@@ -114,4 +122,5 @@ def resolve_sampling(
         top_k=int(k),
         max_new_tokens=int(max_new),
         greedy=bool(greedy),
+        choice_exploration=0.0 if greedy else explore,
     )

@@ -134,3 +134,81 @@ def test_json_end_tracks_brackets_strings_and_escapes():
     assert j.feed("}]\n<tool_response>")
     assert JsonEnd("").feed("text before [1, [2]] after")
     assert not JsonEnd("").feed("no json here")
+
+
+def test_choice_exploration_draws_uniformly_and_reports_the_models_logprob():
+    logits = torch.full((4, 20), -5.0)
+    logits[:, 7], logits[:, 9] = 8.0, -8.0  # the model all but never picks 9
+    restricted = torch.log_softmax(logits[0, [7, 9]], dim=-1)
+    explore = RowSampling(False, 1.0, 0, 1.0, random.Random(5), explore=1.0)
+    plain = RowSampling(False, 1.0, 0, 1.0, random.Random(6))
+    greedy = RowSampling(True, 1.0, 0, 1.0, None, explore=1.0)
+    free = RowSampling(False, 1.0, 0, 1.0, random.Random(7), explore=1.0)
+    picks: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for _ in range(400):
+        tokens, logps = sample_rows(logits, [explore, plain, greedy, free], [[7, 9]] * 3 + [None])
+        for row in picks:
+            picks[row].append(tokens[row])
+        # whatever was drawn, the reported logprob is the model's restricted one
+        assert abs(logps[0] - restricted[[7, 9].index(tokens[0])]) < 1e-5
+        assert tokens[3] == 7  # an unconstrained row is not explored
+    assert 150 < picks[0].count(9) < 250  # uniform over the allowed tokens
+    assert picks[1].count(9) == 0  # without exploration the model's choice
+    assert set(picks[2]) == {7}  # greedy (evaluation) rows ignore it
+    forced = RowSampling(False, 1.0, 0, 1.0, random.Random(8), explore=1.0)
+    tokens, logps = sample_rows(logits[:1], [forced], [[9]])
+    assert tokens == [9] and logps == [0.0]
+
+
+def test_choice_exploration_is_validated_and_trainer_governed():
+    import pytest
+
+    from areal_env.proxy.sampling import resolve_sampling
+
+    with pytest.raises(ValueError, match="choice_exploration"):
+        GenerationConfig(choice_exploration=1.5)
+    g = GenerationConfig(temperature=0.7, choice_exploration=0.4)
+    kw = dict(temperature=0.2, top_p=None, top_k=None, max_tokens=8, default_max_tokens=8)
+    assert resolve_sampling("trainer", g, None, **kw).choice_exploration == 0.4
+    assert resolve_sampling("agent", g, None, **kw).choice_exploration == 0.0
+    assert resolve_sampling("trainer", g, {"greedy": True}, **kw).choice_exploration == 0.0
+
+
+def test_required_call_explores_the_offered_tools_through_the_proxy(engine):
+    gconfig = GenerationConfig(max_new_tokens=12, temperature=0.01, choice_exploration=1.0)
+    proxy = ProxyServer(
+        engine, engine.tokenizer, ProxyConfig(sampling="trainer"), train_gconfig=gconfig
+    ).start()
+    try:
+        names = []
+        for i in range(10):
+            sid, key = open_session(proxy)
+            client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "What is 3 times 4?"}],
+                tools=TOOLS,
+                tool_choice="required",
+                max_tokens=12,
+                seed=i,
+            )
+            (info,) = export_session(proxy, sid)["interactions"]
+            assert info["sampling"]["choice_exploration"] == 1.0  # recorded with the completion
+            names.append(info["completion_text"].split('"')[0])
+        # at T=0.01 the model alone names the same tool every time; explored, both appear
+        assert set(names) == {"plus", "times"}, names
+    finally:
+        proxy.stop()
+
+
+def test_constrained_draw_stays_allowed_when_the_allowed_tokens_are_unlikely():
+    # At T=0.01 the allowed tokens' unnormalised probabilities underflow to 0; the draw must
+    # still be one of them (it used to fall outside the set).
+    logits = torch.zeros(1, 30)
+    logits[0, 3] = 20.0
+    row = RowSampling(False, 0.01, 0, 1.0, random.Random(0))
+    for allowed in ([11, 12], [13]):
+        for _ in range(20):
+            tokens, logps = sample_rows(logits, [row], [allowed])
+            assert tokens[0] in allowed
+            assert logps[0] <= 0.0

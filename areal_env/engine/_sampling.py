@@ -133,9 +133,9 @@ def sample_rows(
         chosen.index_copy_(0, idx, draw.clamp_(max=logp.shape[-1] - 1))
     for i in constrained:
         row_s = rows[i]
-        ids = allowed[i]  # type: ignore[index]
-        if row_s.explore > 0 and row_s.rng is not None and len(ids) > 1:
+        options: list[int] = allowed[i]  # type: ignore[index,assignment]
+        if row_s.explore > 0 and row_s.rng is not None and len(options) > 1:
             if row_s.rng.random() < row_s.explore:
-                chosen[i] = ids[row_s.rng.randrange(len(ids))]
+                chosen[i] = options[row_s.rng.randrange(len(options))]
     token_logp = report.gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), token_logp.tolist()

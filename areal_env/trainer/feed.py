@@ -43,6 +43,11 @@ class DatasetSource:
     def set_version(self, version: int) -> None:
         self.executor.set_version(version)
 
+    def skip_step(self) -> None:
+        """The batch last returned was consumed without an update (see
+        ``RolloutExecutor.skip_step``)."""
+        self.executor.skip_step()
+
     def _submit_next(self) -> list[dict[str, Any]]:
         items = self.data.next_batch()
         for item in items:

@@ -219,6 +219,8 @@ class PPOTrainer(TrainerSetup):
                 metrics.update(await self._update(batch))
                 if metrics.get("actor/updated"):
                     metrics.update(await self._push_new_weights(source))
+                elif isinstance(source, DatasetSource):
+                    source.skip_step()  # the version stays; the staleness bound moves on
                 self._dump(records, dumped_version, self.step + 1)
                 self.step += 1
                 if isinstance(source, DatasetSource):

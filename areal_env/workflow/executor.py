@@ -95,6 +95,7 @@ class RolloutExecutor:
         self._running = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._accepted_total = 0
+        self._skipped_steps = 0
         self._v0: int | None = None
         self._wake: asyncio.Event | None = None
         self._progress: asyncio.Event | None = None
@@ -112,6 +113,16 @@ class RolloutExecutor:
 
     def get_version(self) -> int:
         return self._version
+
+    def skip_step(self) -> None:
+        """The trainer consumed a batch without updating (every advantage was 0): the version
+        stays, but the step is over, so one more batch may start. Without this, skipped
+        updates filled the staleness bound and ``next_batch`` raised ``StalenessDeadlock``
+        once ``max_head_offpolicyness + 1`` of them had happened. Groups started now run on
+        the same weights as before, so none is staler for it."""
+        self._skipped_steps += 1
+        if self._wake is not None:
+            self._wake.set()
 
     def _engine_version(self) -> int | None:
         if self.engine is None:
@@ -237,9 +248,8 @@ class RolloutExecutor:
     def capacity(self) -> int:
         """Groups that may still start under the staleness bound (prefetch mode)."""
         v0 = self._v0 if self._v0 is not None else self._version
-        limit = (
-            self._version - v0 + self.rollout.max_head_offpolicyness + 1
-        ) * self.rollout.batch_size
+        steps = self._version - v0 + self._skipped_steps
+        limit = (steps + self.rollout.max_head_offpolicyness + 1) * self.rollout.batch_size
         return limit - self._accepted_total - self._running
 
     def _can_start(self) -> bool:
@@ -326,7 +336,8 @@ class RolloutExecutor:
                     raise StalenessDeadlock(
                         f"no rollout may start: {self._accepted_total} groups accepted since "
                         f"version {self._v0} fill the staleness bound at version {self._version}; "
-                        "call set_version() after each training step"
+                        "call set_version() (or skip_step() when the update was skipped) after "
+                        "each training step"
                     )
                 self._progress.clear()
                 await self._progress.wait()

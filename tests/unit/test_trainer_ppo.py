@@ -242,3 +242,48 @@ def test_learns_a_short_reply_target(tmp_path):
         f"({time.monotonic() - t0:.0f} s)"
     )
     assert last >= first + 0.15, (first, last, rewards)
+
+
+class ConstantAgent:
+    """Every episode earns 0: every advantage is 0 and every update is skipped."""
+
+    async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=3
+        )
+        return 0.0
+
+
+@pytest.mark.timeout(600)
+def test_skipped_updates_with_prefetch_do_not_deadlock(tmp_path):
+    """With ``max_head_offpolicyness`` 1 the next batch rolls out while the trainer trains.
+    Steps whose update is skipped leave the version where it was; they used to fill the
+    staleness bound, and the third step raised StalenessDeadlock."""
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=skips",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_head_offpolicyness=1",
+            "gconfig.max_new_tokens=3",
+            "trainer.total_train_steps=4",
+            "trainer.tensorboard=false",
+            "trainer.recover='off'",
+            "trainer.progress=false",
+            "rollout.dump_to_file=false",
+        ],
+    )
+    with PPOTrainer(cfg, DATA) as trainer:
+        final = trainer.train(workflow=ConstantAgent())
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    assert [r["actor/update_skipped"] for r in rows] == [1.0] * 4
+    assert all(r["version"] == 0 for r in rows)

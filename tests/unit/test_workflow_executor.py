@@ -93,7 +93,7 @@ class ScriptedWorkflow(RolloutWorkflow):
             self.starts.append((ex.get_version(), engine.get_version()))
             v0 = ex._v0 if ex._v0 is not None else 0
             limit = (
-                ex.get_version() - v0 + ex.rollout.max_head_offpolicyness + 1
+                ex.get_version() - v0 + ex._skipped_steps + ex.rollout.max_head_offpolicyness + 1
             ) * ex.rollout.batch_size
             if ex._accepted_total + ex._running > limit:
                 self.bound_violations.append(f"{ex._accepted_total}+{ex._running} > {limit}")
@@ -341,3 +341,30 @@ def _as_tensors(out):
     """A workflow's output through the row record and the one collation."""
     got = episode_rows(out)
     return None if got is None else collate(got)
+
+
+async def test_skipped_updates_do_not_fill_the_staleness_bound():
+    """A step whose update is skipped (all-equal rewards) leaves the version where it was; the
+    trainer says so with ``skip_step`` and the next batches still start. Without it the bound
+    fills after ``max_head_offpolicyness + 1`` such steps and ``next_batch`` deadlocks."""
+    for skip in (True, False):
+        eng = VersionedWeights(0)
+        rollout = RolloutConfig(n_samples=1, batch_size=2, max_head_offpolicyness=1)
+        inner = ScriptedWorkflow(eng, [0.0, 0.0], delay=0)
+        ex = RolloutExecutor(eng, inner, rollout, show_progress=False)
+        inner.executor = ex
+        ex.feed({"id": i} for i in range(100))
+        taken = 0
+        try:
+            for _ in range(5):
+                batch, stats = await ex.next_batch(trainer_version=0)
+                assert stats["groups/accepted"] == 2
+                taken += 1
+                if skip:
+                    ex.skip_step()  # no update: the version stays 0
+        except StalenessDeadlock:
+            assert not skip, "skip_step should keep the bound moving"
+        finally:
+            await ex.aclose()
+        assert taken == (5 if skip else 2)
+        assert not inner.bound_violations

@@ -308,14 +308,10 @@ class ExternalTrajectorySource:
 
     def _admission_limit(self) -> int:
         """Sessions that may have started by now: ``(steps finished + offpolicyness + 1)``
-        batches' worth. A session admitted under this limit is consumed at most
-        ``max_head_offpolicyness`` steps, so at most as many versions, after its weights
-        (AReaL's rule).
-
-        Counted in finished steps, not in versions: a step whose update is skipped (every
-        advantage 0, e.g. all-equal rewards) leaves the version where it was, and a version
-        count then stops growing while the trainer keeps consuming; every new session (a
-        restart-failed member's retry included) waited for a version that never came."""
+        batches' worth, so a session is consumed at most ``max_head_offpolicyness`` steps (so
+        versions) after its weights (AReaL's rule). Steps, not versions: a skipped update
+        (all-equal rewards) leaves the version, and every new session (a restart-failed
+        member's retry included) then waited for a version that never came."""
         per_batch = self.batch_size * self.n_samples
         return (self._steps_done + self.max_head_offpolicyness + 1) * per_batch
 

@@ -311,6 +311,12 @@ class ActorConfig:
     """Divide by the group std (GRPO); off = Dr.GRPO-style mean-only."""
     batch_adv_norm: bool = False
     """Normalise advantages over the whole batch as well."""
+    punish_failed_exploration: bool = False
+    """Keep the negative advantage of a failed episode whose tool was picked by
+    ``gconfig.choice_exploration`` (rows with ``explored``). Off by default: the pick was not the
+    policy's, and pushing a token the model finds unlikely down moves its probability mostly to
+    the model's favourite, so every failed exploration taught "call the usual tool" (measured:
+    runs collapsed onto ``add``). Paying explorations are always trained on."""
     reward_scaling: float = 1.0
     """Rewards are (r + reward_bias) * reward_scaling, then clipped."""
     reward_bias: float = 0.0

@@ -141,6 +141,10 @@ class ModelResponse:
     latency: float = 0.0
     ttft: float = 0.0
     rid: str = ""
+    explored: int = 0
+    """Output tokens picked by ``choice_exploration``'s uniform draw instead of the model's (0
+    when it never fired). The trainer needs to know: a failed episode whose tool was picked by
+    exploration says nothing against the policy's own choice (``actor.punish_failed_exploration``)."""
 
     @property
     def input_len(self) -> int:

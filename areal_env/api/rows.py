@@ -40,6 +40,9 @@ class TrainingRow:
     temperature: float | list[float] = 1.0
     """The temperature the logprobs were taken at (``proxy.sampling``): the trainer recomputes
     at the same one. A list (per token) when the turns of a row were sampled differently."""
+    explored: bool = False
+    """Some trained token was drawn by ``gconfig.choice_exploration``'s uniform pick rather than
+    by the model (see ``actor.punish_failed_exploration``)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -65,6 +68,7 @@ class TrainingRow:
             reward=float(reward) if reward is not None else 0.0,
             traj_id=traj_id,
             temperature=_temperature(row.get("temperature", 1.0)),
+            explored=bool(row.get("explored", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:

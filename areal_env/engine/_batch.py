@@ -427,6 +427,7 @@ class _BatchLoop:
             latency=now - r.submitted,
             ttft=(r.first_token_at - r.submitted) if r.first_token_at else now - r.submitted,
             rid=r.req.rid,
+            explored=r.sampling.explored,
         )
         self._stats["finished" if reason != "abort" else "aborted"] += 1
         if r.stream:

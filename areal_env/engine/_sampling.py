@@ -28,6 +28,7 @@ class RowSampling:
     rng: random.Random | None  # None for greedy rows
     choices: list[list[int]] | None = None  # constrained start (GenerationConfig.prefix_choices)
     explore: float = 0.0  # GenerationConfig.choice_exploration
+    explored: int = 0  # tokens this row took from the exploration draw so far
 
     def allowed(self, out_tokens: list[int]) -> list[int] | None:
         """Tokens allowed next after ``out_tokens`` (None = any): while the output is still a
@@ -137,5 +138,6 @@ def sample_rows(
         if row_s.explore > 0 and row_s.rng is not None and len(options) > 1:
             if row_s.rng.random() < row_s.explore:
                 chosen[i] = options[row_s.rng.randrange(len(options))]
+                row_s.explored += 1
     token_logp = report.gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), token_logp.tolist()

@@ -446,8 +446,10 @@ class InteractionCache:
         versions = [-1] * n_prompt + list(it.output_versions)
         t_end = float(it.extra.get("logprob_temperature", 1.0))
         temps: list[float] | None = None
+        explored = bool(it.extra.get("explored"))
         for start, length, ancestor_id in spans:
             anc = self._items[ancestor_id]
+            explored = explored or bool(anc.extra.get("explored"))
             loss_mask[start : start + length] = [1] * length
             logprobs[start : start + length] = anc.output_logprobs
             versions[start : start + length] = anc.output_versions
@@ -465,4 +467,6 @@ class InteractionCache:
             # The temperature the logprobs were taken at (proxy.sampling): the trainer
             # recomputes at the same one. A list (per token) when the row's turns differ.
             "temperature": temps if temps is not None else t_end,
+            # Some trained token was picked by gconfig.choice_exploration, not by the model.
+            "explored": explored,
         }

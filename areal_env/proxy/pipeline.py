@@ -282,6 +282,7 @@ class ProxyState:
                     },
                 },
                 "logprob_temperature": prep.sampling.logprob_temperature,
+                "explored": result.explored,
             },
         )
         try:

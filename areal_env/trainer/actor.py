@@ -316,6 +316,12 @@ class PPOActor:
             std_norm=a.group_std_norm,
         )
         adv = token_advantages(row_adv, mask, batch_norm=a.batch_adv_norm)
+        explored = batch.get("explored")
+        n_dropped = 0
+        if not a.punish_failed_exploration and isinstance(explored, torch.Tensor):
+            drop = explored.bool()[:, None] & (adv < 0)
+            n_dropped = int(drop.any(dim=1).sum())
+            adv = adv.masked_fill(drop, 0.0)
         behav = batch["logprobs"].float()
         t0 = time.perf_counter()
         stats: dict[str, float] = {
@@ -324,6 +330,7 @@ class PPOActor:
             "adv/zero_variance_groups": float(astats.zero_variance_groups),
             "adv/shaped_reward_mean": astats.reward_mean,
             "adv/abs_mean": float(adv[mask].abs().mean()) if mask.any() else 0.0,
+            "adv/explored_failures_dropped": float(n_dropped),
         }
         old = behav
         if a.use_decoupled_loss or a.recompute_logprobs:

@@ -16,13 +16,13 @@ import torch
 from areal_env.api.rows import TrainingRow, rows_from_export
 
 #: Keys whose values are per-row scalars ``[B]`` rather than per-token ``[B, L]``.
-ROW_KEYS = ("rewards", "group_ids", "traj_ids")
+ROW_KEYS = ("rewards", "group_ids", "traj_ids", "explored")
 
 
 def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
     """A right-padded batch: ``input_ids`` int64 [B, L], ``attention_mask`` bool, ``loss_mask``
     int32, ``logprobs`` float32, ``versions`` int32, and ``rewards`` float32, ``group_ids`` /
-    ``traj_ids`` int64 [B], ``temperatures`` float32 [B, L] (each token's sampling temperature).
+    ``traj_ids`` int64 [B], ``explored`` bool [B], ``temperatures`` float32 [B, L] (each token's sampling temperature).
     ``ValueError`` for no rows."""
     if not rows:
         raise ValueError("collate needs at least one row")
@@ -36,6 +36,7 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([r.reward for r in rows], dtype=torch.float32),
         "group_ids": torch.tensor([r.group_id for r in rows], dtype=torch.int64),
         "traj_ids": torch.tensor([r.traj_id for r in rows], dtype=torch.int64),
+        "explored": torch.tensor([r.explored for r in rows], dtype=torch.bool),
         # the temperature each token's logprob was taken at (proxy.sampling); 1.0 on padding
         "temperatures": torch.ones(b, width, dtype=torch.float32),
     }
@@ -84,6 +85,7 @@ def rows_of_tensor_dict(td: Mapping[str, Any]) -> list[TrainingRow]:
                 reward=float(rewards[i]) if rewards is not None else 0.0,
                 traj_id=int(traj[i]) if traj is not None else 0,
                 temperature=_row_temperature(td.get("temperatures"), i, n),
+                explored=bool(td["explored"][i]) if "explored" in td else False,
             )
         )
     return rows

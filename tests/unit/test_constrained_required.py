@@ -153,6 +153,8 @@ def test_choice_exploration_draws_uniformly_and_reports_the_models_logprob():
         assert abs(logps[0] - restricted[[7, 9].index(tokens[0])]) < 1e-5
         assert tokens[3] == 7  # an unconstrained row is not explored
     assert 150 < picks[0].count(9) < 250  # uniform over the allowed tokens
+    # each exploration draw is counted on its row (ModelResponse.explored); others count none
+    assert (explore.explored, plain.explored, greedy.explored, free.explored) == (400, 0, 0, 0)
     assert picks[1].count(9) == 0  # without exploration the model's choice
     assert set(picks[2]) == {7}  # greedy (evaluation) rows ignore it
     forced = RowSampling(False, 1.0, 0, 1.0, random.Random(8), explore=1.0)
@@ -192,11 +194,26 @@ def test_required_call_explores_the_offered_tools_through_the_proxy(engine):
                 max_tokens=12,
                 seed=i,
             )
-            (info,) = export_session(proxy, sid)["interactions"]
+            exported = export_session(proxy, sid)
+            (info,) = exported["interactions"]
             assert info["sampling"]["choice_exploration"] == 1.0  # recorded with the completion
+            # the exported row says its tool was explored (the trainer spares its failure)
+            assert [r["explored"] for r in exported["trajectories"].values()] == [True]
             names.append(info["completion_text"].split('"')[0])
         # at T=0.01 the model alone names the same tool every time; explored, both appear
         assert set(names) == {"plus", "times"}, names
+        proxy.state.train_gconfig = gconfig.new(choice_exploration=0.0)
+        sid, key = open_session(proxy)
+        client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "What is 3 times 4?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=12,
+        )
+        rows = export_session(proxy, sid)["trajectories"].values()
+        assert [r["explored"] for r in rows] == [False]
     finally:
         proxy.stop()
 

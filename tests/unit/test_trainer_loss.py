@@ -237,3 +237,24 @@ def test_decoupled_loss_and_kl_to_reference(model_path, tokenizer):
     pb2 = actor.prepare(batch)
     _, diag2 = actor._micro_loss(pb2, [0, 1, 2, 3])
     assert diag2["ref_kl"] > 0
+
+
+def test_failed_explorations_are_not_pushed_down(actor_and_batch):
+    """A row whose tool was picked by choice_exploration keeps a positive advantage and loses a
+    negative one (actor.punish_failed_exploration keeps it)."""
+    actor, batch = actor_and_batch
+    mask = batch["loss_mask"].bool()
+    batch = {**batch, "explored": torch.tensor([False, True, True, False])}
+    a = 0.5 / math.sqrt(0.5)  # groups [1, 0] and [1, 0]
+    pb = actor.prepare(batch)
+    assert (pb.adv[1][mask[1]] == 0).all()  # failed after exploring: no push
+    assert torch.allclose(pb.adv[2][mask[2]], torch.tensor(a), atol=1e-4)  # paid: trained on
+    assert torch.allclose(pb.adv[3][mask[3]], torch.tensor(-a), atol=1e-4)  # own failure: kept
+    assert pb.stats["adv/explored_failures_dropped"] == 1.0
+    actor.cfg.punish_failed_exploration = True
+    try:
+        pb = actor.prepare(batch)
+    finally:
+        actor.cfg.punish_failed_exploration = False
+    assert torch.allclose(pb.adv[1][mask[1]], torch.tensor(-a), atol=1e-4)
+    assert pb.stats["adv/explored_failures_dropped"] == 0.0

@@ -176,6 +176,21 @@ def test_choice_exploration_is_validated_and_trainer_governed():
     assert resolve_sampling("trainer", g, {"greedy": True}, **kw).choice_exploration == 0.0
 
 
+def _required_call(proxy: ProxyServer, seed: int | None = None) -> dict:
+    """One ``tool_choice: required`` request through the OpenAI SDK; the session's export."""
+    sid, key = open_session(proxy)
+    client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+    client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "What is 3 times 4?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=12,
+        seed=seed,
+    )
+    return export_session(proxy, sid)
+
+
 def test_required_call_explores_the_offered_tools_through_the_proxy(engine):
     gconfig = GenerationConfig(max_new_tokens=12, temperature=0.01, choice_exploration=1.0)
     proxy = ProxyServer(
@@ -184,17 +199,7 @@ def test_required_call_explores_the_offered_tools_through_the_proxy(engine):
     try:
         names = []
         for i in range(10):
-            sid, key = open_session(proxy)
-            client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
-            client.chat.completions.create(
-                model="m",
-                messages=[{"role": "user", "content": "What is 3 times 4?"}],
-                tools=TOOLS,
-                tool_choice="required",
-                max_tokens=12,
-                seed=i,
-            )
-            exported = export_session(proxy, sid)
+            exported = _required_call(proxy, seed=i)
             (info,) = exported["interactions"]
             assert info["sampling"]["choice_exploration"] == 1.0  # recorded with the completion
             # the exported row says its tool was explored (the trainer spares its failure)
@@ -203,16 +208,7 @@ def test_required_call_explores_the_offered_tools_through_the_proxy(engine):
         # at T=0.01 the model alone names the same tool every time; explored, both appear
         assert set(names) == {"plus", "times"}, names
         proxy.state.train_gconfig = gconfig.new(choice_exploration=0.0)
-        sid, key = open_session(proxy)
-        client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
-        client.chat.completions.create(
-            model="m",
-            messages=[{"role": "user", "content": "What is 3 times 4?"}],
-            tools=TOOLS,
-            tool_choice="required",
-            max_tokens=12,
-        )
-        rows = export_session(proxy, sid)["trajectories"].values()
+        rows = _required_call(proxy)["trajectories"].values()
         assert [r["explored"] for r in rows] == [False]
     finally:
         proxy.stop()

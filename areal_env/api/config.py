@@ -291,6 +291,11 @@ class ActorConfig:
 
     lr: float = 1e-5
     """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Optimiser steps over which the learning rate rises linearly to ``lr`` (0 = none). AdamW's
+    first steps move nearly every weight by about ``lr``, whatever its gradient's size: with few
+    right answers in the first batch that one step can break a small model's output format
+    (measured: approx KL 0.23 in one update, held-out 20 % -> 0 %)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -317,6 +322,10 @@ class ActorConfig:
     policy's, and pushing a token the model finds unlikely down moves its probability mostly to
     the model's favourite, so every failed exploration taught "call the usual tool" (measured:
     runs collapsed onto ``add``). Paying explorations are always trained on."""
+    weight_negatives_by_prob: bool = False
+    """Scale each negative token advantage by the probability the token was sampled with: a
+    failed likely token is pushed down fully, a failed rare pick barely (its pushed-off
+    probability would go mostly to the model's favourite choice). Positive advantages unchanged."""
     reward_scaling: float = 1.0
     """Rewards are (r + reward_bias) * reward_scaling, then clipped."""
     reward_bias: float = 0.0
@@ -346,6 +355,10 @@ class ActorConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"actor.lr={self.lr!r} must be > 0")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(
+                f"actor.lr_warmup_steps={self.lr_warmup_steps!r} must be >= 0 (0 = no warmup)"
+            )
         if self.eps_clip <= 0:
             raise ConfigError(f"actor.eps_clip={self.eps_clip!r} must be > 0")
         if self.ppo_n_minibatches < 1:

@@ -38,6 +38,7 @@ from areal_env.trainer.actor_math import (
     _row_lengths,
     _single_temperature,
     install_scored_forward,
+    optimizer_steps_taken,
     ppo_token_loss,
     resolve_device,
     resolve_dtype,
@@ -45,8 +46,14 @@ from areal_env.trainer.actor_math import (
     scored_mask,
     summarize_update,
     token_logprobs,
+    warmup_lr,
 )
-from areal_env.trainer.advantages import group_advantages, shape_rewards, token_advantages
+from areal_env.trainer.advantages import (
+    group_advantages,
+    shape_rewards,
+    token_advantages,
+    weight_negatives_by_prob,
+)
 from areal_env.trainer.dist import (
     SINGLE,
     DistContext,
@@ -323,6 +330,8 @@ class PPOActor:
             n_dropped = int(drop.any(dim=1).sum())
             adv = adv.masked_fill(drop, 0.0)
         behav = batch["logprobs"].float()
+        if a.weight_negatives_by_prob:
+            adv = weight_negatives_by_prob(adv, behav, mask)
         t0 = time.perf_counter()
         stats: dict[str, float] = {
             "adv/groups": float(astats.n_groups),
@@ -425,13 +434,17 @@ class PPOActor:
                     logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
+                lr = warmup_lr(a.lr, optimizer_steps_taken(self.optimizer), a.lr_warmup_steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
                 self.optimizer.step()
                 tally.grad_norms.append(gnorm_f)
                 tally.losses.append(mb_loss)
                 tally.trained_tokens += sum(pb.lengths[r] for r in mb_rows)
         self.optimizer.zero_grad(set_to_none=True)
         self.update_count += 1
-        return summarize_update(stats, sums, self.dist, lr=a.lr, tally=tally)
+        lr_now = float(self.optimizer.param_groups[0]["lr"]) if tally.grad_norms else a.lr
+        return summarize_update(stats, sums, self.dist, lr=lr_now, tally=tally)
 
     def _micro_loss(
         self, pb: PreparedBatch, rows: list[int], *, tree: bool = False, force: bool = False

@@ -308,3 +308,22 @@ def summarize_update(
     if "behav_imp_weight" in sums:
         stats["actor/behav_imp_weight"] = sums["behav_imp_weight"] / denom
     return stats
+
+
+def warmup_lr(base_lr: float, steps_taken: int, warmup_steps: int) -> float:
+    """The learning rate of the next optimiser step: linear warmup over ``warmup_steps`` steps
+    (the first step gets ``base_lr / warmup_steps``), then ``base_lr``."""
+    if warmup_steps <= 0:
+        return base_lr
+    return base_lr * min(1.0, (steps_taken + 1) / warmup_steps)
+
+
+def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps this optimiser has taken, from its own state (so a resumed run, which restores
+    the optimiser, goes on with the warmup where it stopped)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and "step" in state:
+                return int(state["step"])
+    return 0

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from areal_env.api.config import ActorConfig, ModelConfig
+from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor, micro_batches, ppo_token_loss
+from areal_env.trainer.actor_math import optimizer_steps_taken, warmup_lr
+from areal_env.trainer.advantages import weight_negatives_by_prob
 
 
 def ref_token_loss(lp, old, adv, eps, eps_high=None, behav=None, cap=None, ref=None, kl=0.0):
@@ -258,3 +260,78 @@ def test_failed_explorations_are_not_pushed_down(actor_and_batch):
         actor.cfg.punish_failed_exploration = False
     assert torch.allclose(pb.adv[1][mask[1]], torch.tensor(-a), atol=1e-4)
     assert pb.stats["adv/explored_failures_dropped"] == 0.0
+
+
+def test_negatives_weighted_by_prob_spare_rare_failures():
+    """The failure of a rare pick, pushed down with the full advantage, hands its probability
+    mostly to the favourite; weighted by the pick's probability the favourite barely moves,
+    while a failed favourite is still pushed down fully and positives are untouched."""
+    logits0 = torch.log(torch.tensor([0.7, 0.1, 0.1, 0.1]))
+
+    def favourite_after_failure(token: int, weighted: bool) -> float:
+        logits = logits0.clone().requires_grad_(True)
+        logp = torch.log_softmax(logits, -1)[token]
+        adv = torch.tensor([[-1.0]])
+        if weighted:
+            adv = weight_negatives_by_prob(adv, logp.detach().view(1, 1), torch.ones(1, 1))
+        (-(adv[0, 0] * logp)).backward()
+        with torch.no_grad():
+            return float(torch.softmax(logits - 1.0 * logits.grad, -1)[0])
+
+    plain, weighted = favourite_after_failure(1, False), favourite_after_failure(1, True)
+    assert plain - 0.7 > 5 * (weighted - 0.7) > 0  # the rare failure's push is ~10x smaller
+    assert favourite_after_failure(0, True) < 0.7 - 0.05  # a failed favourite still goes down
+
+    adv = torch.tensor([[-2.0, -2.0, 1.0], [0.5, 0.5, 0.0]])
+    logp = torch.log(torch.tensor([[0.25, 1.0, 0.1], [0.1, 0.9, 0.5]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = weight_negatives_by_prob(adv, logp, mask)
+    assert torch.allclose(out, torch.tensor([[-0.5, -2.0, 1.0], [0.5, 0.5, 0.0]]))
+
+
+def test_actor_weights_negatives_when_asked(actor_and_batch):
+    actor, batch = actor_and_batch
+    mask = batch["loss_mask"].bool()
+    g = torch.Generator().manual_seed(2)
+    logp = torch.where(mask, torch.log(torch.rand(mask.shape, generator=g) * 0.9 + 0.05), 0.0)
+    batch = {**batch, "logprobs": logp}
+    plain = actor.prepare(batch).adv
+    actor.cfg.weight_negatives_by_prob = True
+    try:
+        weighted = actor.prepare(batch).adv
+    finally:
+        actor.cfg.weight_negatives_by_prob = False
+    prob = batch["logprobs"].float().exp()
+    expect = torch.where(plain < 0, plain * prob, plain)
+    assert torch.allclose(weighted[mask], expect[mask], atol=1e-6)
+    assert (weighted[mask] != plain[mask]).any()  # the fixture has failed rows
+
+
+def test_warmup_lr_rises_linearly_then_holds():
+    assert [warmup_lr(1e-4, k, 4) for k in range(6)] == pytest.approx(
+        [2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4]
+    )
+    assert warmup_lr(1e-4, 0, 0) == 1e-4  # 0 = no warmup
+
+
+def test_actor_warms_up_the_learning_rate_and_resumes_it(model_path, tokenizer):
+    """Optimiser steps 1-2 of a 4-step warmup run at lr/4 and lr/2; a new actor given the
+    first one's optimiser state (a resume) goes on at 3/4 rather than starting over."""
+    cfg = ActorConfig(ppo_n_minibatches=2, micro_batch_tokens=48, lr=1e-5, lr_warmup_steps=4)
+    model_cfg = ModelConfig(gradient_checkpointing=False)
+    actor = PPOActor(model_path, cfg, model_cfg, temperature=0.7, seed=3)
+    batch = _batch(tokenizer, None)
+    stats = actor.update(batch, step=0)
+    assert stats["actor/optimizer_steps"] == 2.0
+    assert stats["actor/lr"] == pytest.approx(5e-6)  # the second step's: lr * 2/4
+    assert optimizer_steps_taken(actor.optimizer) == 2
+
+    resumed = PPOActor(model_path, cfg, model_cfg, temperature=0.7, seed=3)
+    resumed.model.load_state_dict(actor.model.state_dict())
+    resumed.optimizer.load_state_dict(actor.optimizer.state_dict())
+    stats = resumed.update(batch, step=1)
+    assert stats["actor/lr"] == pytest.approx(1e-5)  # steps 3 and 4: 3/4, then the full lr
+    assert optimizer_steps_taken(resumed.optimizer) == 4
+
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):
+        ActorConfig(lr_warmup_steps=-1).validate()

@@ -434,16 +434,17 @@ class PPOActor:
                     logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
-                lr = warmup_lr(a.lr, optimizer_steps_taken(self.optimizer), a.lr_warmup_steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                if a.lr_warmup_steps > 0:  # otherwise the optimiser's own lr stands
+                    lr = warmup_lr(a.lr, optimizer_steps_taken(self.optimizer), a.lr_warmup_steps)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
                 self.optimizer.step()
                 tally.grad_norms.append(gnorm_f)
                 tally.losses.append(mb_loss)
                 tally.trained_tokens += sum(pb.lengths[r] for r in mb_rows)
         self.optimizer.zero_grad(set_to_none=True)
         self.update_count += 1
-        lr_now = float(self.optimizer.param_groups[0]["lr"]) if tally.grad_norms else a.lr
+        lr_now = float(self.optimizer.param_groups[0]["lr"])
         return summarize_update(stats, sums, self.dist, lr=lr_now, tally=tally)
 
     def _micro_loss(

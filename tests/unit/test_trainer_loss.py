@@ -333,5 +333,11 @@ def test_actor_warms_up_the_learning_rate_and_resumes_it(model_path, tokenizer):
     assert stats["actor/lr"] == pytest.approx(1e-5)  # steps 3 and 4: 3/4, then the full lr
     assert optimizer_steps_taken(resumed.optimizer) == 4
 
+    # without warmup the optimiser's own lr stands (a swapped-in optimiser, a user's scheduler)
+    cfg.lr_warmup_steps = 0
+    for group in resumed.optimizer.param_groups:
+        group["lr"] = 3e-3
+    assert resumed.update(batch, step=2)["actor/lr"] == pytest.approx(3e-3)
+
     with pytest.raises(ConfigError, match="lr_warmup_steps"):
         ActorConfig(lr_warmup_steps=-1).validate()

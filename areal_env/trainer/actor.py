@@ -331,7 +331,7 @@ class PPOActor:
             adv = adv.masked_fill(drop, 0.0)
         behav = batch["logprobs"].float()
         if a.weight_negatives_by_prob:
-            adv = weight_negatives_by_prob(adv, behav, mask)
+            adv = weight_negatives_by_prob(adv, behav)
         t0 = time.perf_counter()
         stats: dict[str, float] = {
             "adv/groups": float(astats.n_groups),

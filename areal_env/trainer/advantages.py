@@ -125,9 +125,7 @@ def token_advantages(
     return adv
 
 
-def weight_negatives_by_prob(
-    adv: torch.Tensor, behav_logp: torch.Tensor, loss_mask: torch.Tensor
-) -> torch.Tensor:
+def weight_negatives_by_prob(adv: torch.Tensor, behav_logp: torch.Tensor) -> torch.Tensor:
     """Scale each *negative* token advantage by the probability the token was sampled with.
 
     Why: the gradient of ``-log p`` for a token lowers its logit and hands its probability to
@@ -135,8 +133,8 @@ def weight_negatives_by_prob(
     out (good); for an unlikely one, such as a rare tool the model tried once, nearly all of it
     goes to the model's favourite, so the failures of rare choices teach "do the usual thing"
     and runs collapse onto one choice. Weighting by ``p`` leaves confident failures pushed down
-    fully and makes the push on a rare pick small; positive advantages are untouched.
+    fully and makes the push on a rare pick small; positive advantages (and the zeros off the
+    loss mask) are untouched.
     """
     prob = behav_logp.float().clamp(max=0.0).exp()
-    scaled = torch.where(adv < 0, adv * prob, adv)
-    return torch.where(loss_mask.bool(), scaled, torch.zeros_like(adv))
+    return torch.where(adv < 0, adv * prob, adv)

@@ -273,7 +273,7 @@ def test_negatives_weighted_by_prob_spare_rare_failures():
         logp = torch.log_softmax(logits, -1)[token]
         adv = torch.tensor([[-1.0]])
         if weighted:
-            adv = weight_negatives_by_prob(adv, logp.detach().view(1, 1), torch.ones(1, 1))
+            adv = weight_negatives_by_prob(adv, logp.detach().view(1, 1))
         (-(adv[0, 0] * logp)).backward()
         with torch.no_grad():
             return float(torch.softmax(logits - 1.0 * logits.grad, -1)[0])
@@ -284,8 +284,7 @@ def test_negatives_weighted_by_prob_spare_rare_failures():
 
     adv = torch.tensor([[-2.0, -2.0, 1.0], [0.5, 0.5, 0.0]])
     logp = torch.log(torch.tensor([[0.25, 1.0, 0.1], [0.1, 0.9, 0.5]]))
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    out = weight_negatives_by_prob(adv, logp, mask)
+    out = weight_negatives_by_prob(adv, logp)
     assert torch.allclose(out, torch.tensor([[-0.5, -2.0, 1.0], [0.5, 0.5, 0.0]]))
 
 

@@ -54,6 +54,12 @@ class ServiceConfig:
     admission_control: bool = True
     """``serve-training``: start a session only while the trainer can still use it within
     ``rollout.max_head_offpolicyness`` versions (otherwise it waits, then answers 429)."""
+    stale_trajectories: Literal["train", "drop"] = "train"
+    """A trajectory more than ``rollout.max_head_offpolicyness`` versions behind the trainer when
+    its batch is formed. Admission keeps sessions within that bound, but a group that waited
+    for a member retried after a failure or a restart can pass it. ``train``: trained all the
+    same (it was acknowledged; the PPO ratio uses its recorded logprobs), counted in
+    ``staleness/over_bound``. ``drop``: dropped, counted in ``rejected/stale``."""
     admission_timeout: float = 30.0
     """Seconds ``POST /rl/v1/sessions`` waits for an admission slot before answering 429."""
     request_timeout: float = 3600.0
@@ -113,6 +119,10 @@ class ServiceConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"service.{name}={getattr(self, name)!r} must be > 0")
+        if self.stale_trajectories not in ("train", "drop"):
+            raise ConfigError(
+                f"service.stale_trajectories={self.stale_trajectories!r}: use 'train' or 'drop'"
+            )
         if self.drain_timeout < 0:
             raise ConfigError(f"service.drain_timeout={self.drain_timeout!r} must be >= 0")
         for name in ("tokens_per_minute", "max_tokens_per_key"):

@@ -155,6 +155,7 @@ class TrainingService(ServiceStack):
             group_timeout=self.service.group_timeout,
             admission_control=self.service.admission_control,
             store=self.store,
+            stale_trajectories=self.service.stale_trajectories,
         )
         self.gateway = GatewayServer(
             self.service,

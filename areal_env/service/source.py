@@ -26,74 +26,20 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.source import SourceClosedError
-from areal_env.workflow.batch import collate, number_groups
+from areal_env.service.trajectories import (
+    Trajectory,
+    TrajectoryGroup,
+    batch_stats,
+    collate_groups,
+    to_trajectory,
+)
 
 __all__ = ["ExternalTrajectorySource", "SourceClosedError"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Trajectory:
-    """One finished external session, ready to be batched."""
-
-    traj_id: int
-    group_key: str
-    rows: list[TrainingRow]
-    reward: float
-    min_version: int | None
-    """Oldest weights version among the generated tokens (None: no generated tokens)."""
-    max_version: int | None
-    num_tokens: int
-    record: dict[str, Any]
-    """The raw export (plus gateway metadata), kept for trajectory dumps."""
-    row_id: int | None = None
-    """Its row in the service store (None without a store)."""
-
-
-@dataclass
-class _Group:
-    key: str
-    created: float = field(default_factory=time.monotonic)
-    members: list[Trajectory] = field(default_factory=list)
-    failed: int = 0
-    abandoned: int = 0
-    """Members that failed and will not be retried: the group stops waiting for them."""
-
-
-def _to_trajectory(traj_id: int, group_key: str, record: dict[str, Any]) -> Trajectory:
-    rows = rows_from_export(record.get("trajectories", record.get("rows", {})))
-    if not rows:
-        raise ValueError("trajectory has no rows (the session made no completions)")
-    versions = [v for r in rows for v in r.generated_versions()]
-    if record.get("final_reward") is not None:
-        reward = float(record["final_reward"])
-    else:
-        reward = sum(r.reward for r in rows) / len(rows)
-    return Trajectory(
-        traj_id=traj_id,
-        group_key=group_key,
-        rows=rows,
-        reward=reward,
-        min_version=min(versions) if versions else None,
-        max_version=max(versions) if versions else None,
-        num_tokens=sum(r.num_tokens for r in rows),
-        record=record,
-    )
-
-
-def _collate(groups: list[list[Trajectory]]) -> dict:
-    """One tensor batch; ``group_ids`` index the group in the batch, ``traj_ids`` the session."""
-    for group in groups:
-        for traj in group:
-            for row in traj.rows:
-                row.traj_id = traj.traj_id
-    return collate(number_groups([[r for t in g for r in t.rows] for g in groups]))
 
 
 class ExternalTrajectorySource:
@@ -109,7 +55,12 @@ class ExternalTrajectorySource:
         group_timeout: float = 1800.0,
         admission_control: bool = False,
         store: Any | None = None,
+        stale_trajectories: str = "train",
     ) -> None:
+        if stale_trajectories not in ("train", "drop"):
+            raise ValueError(f"stale_trajectories={stale_trajectories!r}: use 'train' or 'drop'")
+        self.train_stale = stale_trajectories == "train"
+        """Train trajectories past the staleness bound (counted) instead of dropping them."""
         self.n_samples = int(n_samples or getattr(rollout, "n_samples", 1) or 1)
         self.batch_size = int(batch_size or getattr(rollout, "batch_size", 1) or 1)
         if max_head_offpolicyness is None:
@@ -117,8 +68,8 @@ class ExternalTrajectorySource:
         self.max_head_offpolicyness = int(max_head_offpolicyness)
         self.group_timeout = float(group_timeout)
         self._lock = threading.Lock()
-        self._open: dict[str, _Group] = {}
-        self._auto: _Group | None = None
+        self._open: dict[str, TrajectoryGroup] = {}
+        self._auto: TrajectoryGroup | None = None
         self._auto_ids = itertools.count()
         self._auto_tag = secrets.token_hex(3)  # auto-group keys stay unique across restarts
         self.store = store
@@ -126,7 +77,7 @@ class ExternalTrajectorySource:
         """The trainer step the next batch is for (``load`` sets where training resumes)."""
         self._stale_on_load = 0
         self.total_reloaded = 0
-        self._ready: deque[_Group] = deque()
+        self._ready: deque[TrajectoryGroup] = deque()
         self._traj_ids = itertools.count()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._closed = False
@@ -180,7 +131,7 @@ class ExternalTrajectorySource:
         """Add to its group (lock held)."""
         group = self._group_for(group_id)
         try:
-            traj = _to_trajectory(next(self._traj_ids), group.key, trajectory)
+            traj = to_trajectory(next(self._traj_ids), group.key, trajectory)
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("dropping an unusable trajectory of group %s: %s", group.key, e)
             self._invalid_since_batch += 1
@@ -192,14 +143,14 @@ class ExternalTrajectorySource:
         self.total_received += 1
         self._maybe_complete(group)
 
-    def _maybe_complete(self, group: _Group) -> None:
+    def _maybe_complete(self, group: TrajectoryGroup) -> None:
         if len(group.members) + group.abandoned >= self.n_samples:
             if group.members:
                 self._complete(group)
             else:  # every member gave up: nothing to train on
                 self._drop_group(group)
 
-    def _drop_group(self, group: _Group) -> None:
+    def _drop_group(self, group: TrajectoryGroup) -> None:
         if self._auto is group:
             self._auto = None
         else:
@@ -230,7 +181,7 @@ class ExternalTrajectorySource:
                 return
             group = self._open.get(group_id)
             if group is None:
-                group = self._open[group_id] = _Group(key=group_id)
+                group = self._open[group_id] = TrajectoryGroup(key=group_id)
             group.abandoned += 1
             self._maybe_complete(group)
         self._wake()
@@ -256,7 +207,7 @@ class ExternalTrajectorySource:
                 if not group.members:  # its wait counts from its first member's arrival
                     group.created = now_mono - max(0.0, now_wall - st.created)
                 try:
-                    traj = _to_trajectory(next(self._traj_ids), group.key, st.record)
+                    traj = to_trajectory(next(self._traj_ids), group.key, st.record)
                 except (KeyError, TypeError, ValueError) as e:
                     logger.warning("stored trajectory %s is unusable: %s", st.session_id, e)
                     self.store.drop_trajectories([st.row_id], restored_step, "invalid")
@@ -276,7 +227,8 @@ class ExternalTrajectorySource:
                 returned,
                 restored_step,
                 committed,
-                f"; {self._stale_on_load} are past the staleness bound and will be dropped"
+                f"; {self._stale_on_load} are past the staleness bound and will be "
+                + ("trained all the same" if self.train_stale else "dropped")
                 if self._stale_on_load
                 else "",
             )
@@ -360,17 +312,17 @@ class ExternalTrajectorySource:
             with self._lock:
                 self._waiters.discard(waiter)
 
-    def _group_for(self, group_id: str | None) -> _Group:
+    def _group_for(self, group_id: str | None) -> TrajectoryGroup:
         if group_id is None:
             if self._auto is None:
-                self._auto = _Group(key=f"auto-{self._auto_tag}-{next(self._auto_ids)}")
+                self._auto = TrajectoryGroup(key=f"auto-{self._auto_tag}-{next(self._auto_ids)}")
             return self._auto
         group = self._open.get(group_id)
         if group is None:
-            group = self._open[group_id] = _Group(key=group_id)
+            group = self._open[group_id] = TrajectoryGroup(key=group_id)
         return group
 
-    def _complete(self, group: _Group) -> None:
+    def _complete(self, group: TrajectoryGroup) -> None:
         if self._auto is group:
             self._auto = None
         else:
@@ -447,6 +399,17 @@ class ExternalTrajectorySource:
             and trainer_version - traj.min_version > self.max_head_offpolicyness
         )
 
+    def _split_stale(
+        self, group: TrajectoryGroup, trainer_version: int
+    ) -> tuple[list[Trajectory], list[Trajectory], int]:
+        """``(to train, to drop, trained past the bound)`` of a group's members."""
+        if self.train_stale:
+            over = sum(self._is_stale(t, trainer_version) for t in group.members)
+            return list(group.members), [], over
+        fresh = [t for t in group.members if not self._is_stale(t, trainer_version)]
+        old = [t for t in group.members if self._is_stale(t, trainer_version)]
+        return fresh, old, 0
+
     uses_proxy = False
     """The trainer grants no proxy capacity for this source (the gateway admits sessions)."""
     # The BatchSource protocol (areal_env.api.source): next_batch, set_version, last_episodes,
@@ -496,6 +459,7 @@ class ExternalTrajectorySource:
         waiter = (loop, event)
         selected: list[list[Trajectory]] = []
         stale_trajs: list[Trajectory] = []
+        over_bound = 0
         with self._lock:
             self._waiters.add(waiter)
         try:
@@ -507,10 +471,9 @@ class ExternalTrajectorySource:
                     next_expiry = self._flush_expired(time.monotonic())
                     while self._ready and len(selected) < want:
                         group = self._ready.popleft()
-                        fresh = [t for t in group.members if not self._is_stale(t, trainer_version)]
-                        stale_trajs += [
-                            t for t in group.members if self._is_stale(t, trainer_version)
-                        ]
+                        fresh, old, over = self._split_stale(group, trainer_version)
+                        stale_trajs += old
+                        over_bound += over
                         if fresh:
                             selected.append(fresh)
                 if len(selected) >= want:
@@ -528,7 +491,9 @@ class ExternalTrajectorySource:
         except BaseException:
             with self._lock:  # cancelled or closed: give the groups back, oldest first
                 for members in reversed(selected):
-                    self._ready.appendleft(_Group(key=members[0].group_key, members=members))
+                    self._ready.appendleft(
+                        TrajectoryGroup(key=members[0].group_key, members=members)
+                    )
             raise
         finally:
             with self._lock:
@@ -552,48 +517,41 @@ class ExternalTrajectorySource:
                 self.max_head_offpolicyness,
                 trainer_version,
             )
-        return self._finish(selected, len(stale_trajs), trainer_version, time.monotonic() - start)
+        if over_bound:
+            logger.info(
+                "step %d: %d trajectories trained although generated more than %d versions "
+                "before version %d (their group waited for a retried member)",
+                step,
+                over_bound,
+                self.max_head_offpolicyness,
+                trainer_version,
+            )
+        waited = time.monotonic() - start
+        return self._finish(selected, len(stale_trajs), over_bound, trainer_version, waited)
 
     def _finish(
-        self, groups: list[list[Trajectory]], stale: int, trainer_version: int, waited: float
+        self,
+        groups: list[list[Trajectory]],
+        stale: int,
+        over_bound: int,
+        trainer_version: int,
+        waited: float,
     ) -> tuple[dict | None, dict[str, float]]:
         with self._lock:
             failed, self._failed_since_batch = self._failed_since_batch, 0
             invalid, self._invalid_since_batch = self._invalid_since_batch, 0
+        stats = batch_stats(
+            groups,
+            n_samples=self.n_samples,
+            trainer_version=trainer_version,
+            stale=stale,
+            over_bound=over_bound,
+            failed=failed,
+            invalid=invalid,
+            waited=waited,
+        )
         trajs = [t for g in groups for t in g]
-        rewards = [t.reward for t in trajs]
-        n = len(rewards)
-        mean = sum(rewards) / n if n else 0.0
-        std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5 if n else 0.0
-        staleness = [trainer_version - t.min_version for t in trajs if t.min_version is not None]
-        # Same names as the RolloutExecutor's stats, so the trainer logs both alike.
-        stats: dict[str, float] = {
-            "episodes/accepted": float(n),
-            "episodes/rejected": float(stale + failed + invalid),
-            "rejected/stale": float(stale),
-            "rejected/failed": float(failed),
-            "rejected/invalid": float(invalid),
-            "groups/accepted": float(len(groups)),
-            "groups/incomplete": float(sum(1 for g in groups if len(g) < self.n_samples)),
-            "groups/zero_variance": float(
-                sum(
-                    1
-                    for g in groups
-                    if len(g) > 1 and max(t.reward for t in g) - min(t.reward for t in g) < 1e-8
-                )
-            ),
-            "reward/mean": mean,
-            "reward/std": std,
-            "reward/min": min(rewards) if rewards else 0.0,
-            "reward/max": max(rewards) if rewards else 0.0,
-            "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
-            "staleness/max": float(max(staleness)) if staleness else 0.0,
-            "rows": float(sum(len(t.rows) for t in trajs)),
-            "tokens/output": float(sum(r.num_trained for t in trajs for r in t.rows)),
-            "tokens/total": float(sum(t.num_tokens for t in trajs)),
-            "time/wall": waited,
-        }
         self.last_episodes = [dict(t.record, group_key=t.group_key) for t in trajs]
         if not trajs:
             return None, stats
-        return _collate(groups), stats
+        return collate_groups(groups), stats

@@ -60,7 +60,9 @@ async def test_waits_without_polling_and_wakes_on_put_from_another_thread():
 
 
 async def test_stale_trajectories_and_failures_are_dropped_and_counted():
-    src = ExternalTrajectorySource(n_samples=2, batch_size=1, max_head_offpolicyness=1)
+    src = ExternalTrajectorySource(
+        n_samples=2, batch_size=1, max_head_offpolicyness=1, stale_trajectories="drop"
+    )
     src.put_failed("g", "agent crashed")  # does not count towards the group
     src.put(export(1.0, version=1), "g")
     src.put(export(0.0, version=3), "g")
@@ -68,6 +70,21 @@ async def test_stale_trajectories_and_failures_are_dropped_and_counted():
     assert batch["input_ids"].shape[0] == 1  # version 1 is 2 behind 3 > 1
     assert stats["rejected/stale"] == 1 and stats["rejected/failed"] == 1
     assert stats["staleness/max"] == 0
+
+
+async def test_stale_trajectories_are_trained_and_counted_by_default():
+    """A group that waited for a retried member: its older member is past the bound, and is
+    trained (it was acknowledged) with its staleness counted, not dropped."""
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1, max_head_offpolicyness=1)
+    src.put_failed("g", "the service restarted while the session was open")
+    src.put(export(1.0, version=1), "g")
+    src.put(export(0.0, version=3), "g")
+    batch, stats = await src.rollout_batch(trainer_version=3, timeout=5)
+    assert batch["input_ids"].shape[0] == 2 and batch["group_ids"].tolist() == [0, 0]
+    assert stats["rejected/stale"] == 0 and stats["groups/incomplete"] == 0
+    assert stats["staleness/over_bound"] == 1 and stats["staleness/max"] == 2
+    with pytest.raises(ValueError, match="'train' or 'drop'"):
+        ExternalTrajectorySource(n_samples=1, stale_trajectories="keep")
 
 
 async def test_timeout_returns_none_and_incomplete_groups_expire():

@@ -125,20 +125,28 @@ async def test_source_reloads_acknowledged_trajectories_and_consumes_each_once(s
     store.close()
 
 
-async def test_stale_reloaded_trajectories_are_dropped_with_a_count(tmp_path):
+@pytest.mark.parametrize("policy", ["drop", "train"])
+async def test_stale_reloaded_trajectories_are_dropped_or_trained_with_a_count(tmp_path, policy):
     store = open_store(str(tmp_path / "s.db"))
-    src = ExternalTrajectorySource(n_samples=1, batch_size=1, max_head_offpolicyness=1, store=store)
+    kw = {"n_samples": 1, "max_head_offpolicyness": 1, "stale_trajectories": policy}
+    src = ExternalTrajectorySource(batch_size=1, store=store, **kw)
     src.load(0)
     await src.aput(_record("old", 1.0, version=0), "g1")
     await src.aput(_record("new", 1.0, version=5), "g2")
     store.close()
     store = open_store(str(tmp_path / "s.db"))
-    src = ExternalTrajectorySource(n_samples=1, batch_size=1, max_head_offpolicyness=1, store=store)
+    src = ExternalTrajectorySource(batch_size=2, store=store, **kw)
     src.load(5, trainer_version=5)
-    batch, stats = await src.rollout_batch(trainer_version=5, step=6, timeout=5)
-    assert stats["rejected/stale"] == 1 and stats["episodes/accepted"] == 1
-    assert [e["session_id"] for e in src.last_episodes] == ["new"]
-    assert ("old", 6, "stale") in store.consumed_ledger()
+    batch, stats = await src.rollout_batch(trainer_version=5, step=6, batch_size=2, timeout=1)
+    if policy == "drop":
+        assert stats["rejected/stale"] == 1 and stats["episodes/accepted"] == 1
+        assert [e["session_id"] for e in src.last_episodes] == ["new"]
+        assert ("old", 6, "stale") in store.consumed_ledger()
+    else:
+        assert stats["rejected/stale"] == 0 and stats["staleness/over_bound"] == 1
+        assert sorted(e["session_id"] for e in src.last_episodes) == ["new", "old"]
+        src.commit(6)  # the step-6 checkpoint makes it final
+        assert ("old", 6, "trained") in store.consumed_ledger()
 
 
 async def test_a_member_that_gives_up_completes_its_group():

@@ -391,6 +391,12 @@ class TrainerConfig:
     """Newest checkpoints kept on disk (older ones are deleted); None = keep all."""
     recover: Literal["auto", "off"] = "auto"
     """auto = resume from the trial's last checkpoint if there is one; off = start fresh."""
+    redraw_batches_without_signal: int = 0
+    """DAPO's dynamic sampling, per batch: over the whole run, up to this many batches whose
+    advantages are all 0 (every reward equal, e.g. no episode right: nothing to learn from) are
+    replaced by a fresh batch from the data within the same step, instead of the step ending
+    without an update. Each redraw costs one more rollout (logged as ``rollout/redrawn``).
+    0 = off. Dataset training only (an external source's batches are what its agents sent)."""
     eval_freq_steps: int | None = None
     """Evaluate on valid_dataset every N steps (None = only before the first and after the last
     step). Evaluation is greedy; it needs ``valid_dataset``."""
@@ -416,6 +422,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.keep_checkpoints={self.keep_checkpoints!r} must be >= 1 "
                 "(or null: keep every checkpoint)"
+            )
+        if self.redraw_batches_without_signal < 0:
+            raise ConfigError(
+                "trainer.redraw_batches_without_signal="
+                f"{self.redraw_batches_without_signal!r} must be >= 0 (0 = off)"
             )
         if self.eval_freq_steps is not None and self.eval_freq_steps < 1:
             raise ConfigError(

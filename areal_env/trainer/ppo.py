@@ -107,6 +107,8 @@ class PPOTrainer(TrainerSetup):
         self.step = 0
         self.version = 0
         self.saved_step = 0
+        self.redraws_used = 0
+        """Batches without signal replaced so far (``trainer.redraw_batches_without_signal``)."""
         self.last_metrics: dict[str, Any] = {}
         self._data_state: dict[str, Any] | None = None
         self._closed = False
@@ -207,16 +209,12 @@ class PPOTrainer(TrainerSetup):
                 t_step = time.perf_counter()
                 memory.release_free_memory()
                 memory.reset_peak()
-                fetched = await self._fetch_batch(source)
-                if fetched is None:  # the source was closed: keep what was trained
+                done = await self._fetch_and_update(source)
+                if done is None:  # the source was closed: keep what was trained
                     if self.step > self.saved_step:
                         await asyncio.to_thread(self._save_checkpoint)
                     break
-                batch, metrics = fetched
-                if self._fault is not None and self._fault.should_kill_before_update(self.step + 1):
-                    kill_now(f"step {self.step + 1}: batch fetched, update not started")
-                records, dumped_version = list(source.last_episodes), self.version
-                metrics.update(await self._update(batch))
+                metrics, records, dumped_version = done
                 if metrics.get("actor/updated"):
                     metrics.update(await self._push_new_weights(source))
                 elif isinstance(source, DatasetSource):
@@ -235,6 +233,43 @@ class PPOTrainer(TrainerSetup):
             if self.evaluator is not None:
                 await self.evaluator.aclose()
         return self._final_metrics()
+
+    async def _fetch_and_update(
+        self, source: BatchSource
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], int] | None:
+        """Steps 1-2: a batch, then the update on it; a batch without signal is replaced by a
+        fresh one while ``trainer.redraw_batches_without_signal`` allows (its episodes are
+        dumped under this step all the same). ``(metrics, records, their version)``, or
+        ``None`` once the source is closed."""
+        redrawn, rollout_s = 0, 0.0
+        while True:
+            fetched = await self._fetch_batch(source)
+            if fetched is None:
+                return None
+            batch, metrics = fetched
+            if self._fault is not None and self._fault.should_kill_before_update(self.step + 1):
+                kill_now(f"step {self.step + 1}: batch fetched, update not started")
+            records, dumped_version = list(source.last_episodes), self.version
+            metrics.update(await self._update(batch))
+            rollout_s += metrics["time/rollout_s"]
+            no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
+            budget = self.config.trainer.redraw_batches_without_signal
+            if not (no_signal and self.redraws_used < budget and isinstance(source, DatasetSource)):
+                metrics["rollout/redrawn"] = float(redrawn)
+                metrics["time/rollout_s"] = rollout_s
+                return metrics, records, dumped_version
+            self.redraws_used += 1
+            redrawn += 1
+            logger.info(
+                "step %d: no episode's advantage is non-zero (reward mean %.3f); drawing "
+                "another batch (%d of trainer.redraw_batches_without_signal=%d used)",
+                self.step + 1,
+                float(metrics.get("reward/mean", 0.0)),
+                self.redraws_used,
+                budget,
+            )
+            source.skip_step()  # that batch is consumed without an update
+            self._dump(records, dumped_version, self.step + 1)
 
     async def _fetch_batch(
         self, source: BatchSource

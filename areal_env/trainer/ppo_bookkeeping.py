@@ -40,6 +40,7 @@ class TrainerBookkeeping(TrainerPush):
         if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
         actor.update_count = int(state.get("update_count", self.step))
+        self.redraws_used = int(state.get("redraws_used", 0))
         if self.version > 0 and self.dist.is_main:
             self._push_weights(self.version)
         position = (
@@ -95,6 +96,7 @@ class TrainerBookkeeping(TrainerPush):
             "epoch": data_state["epoch"] if data_state else 0,
             "data": data_state,
             "update_count": actor.update_count,
+            "redraws_used": self.redraws_used,
             "experiment_name": self.config.experiment_name,
             "trial_name": self.config.trial_name,
             "model_path": actor.model_path,

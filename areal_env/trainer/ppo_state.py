@@ -44,6 +44,7 @@ class TrainerState:
     step: int
     version: int
     saved_step: int
+    redraws_used: int
     last_metrics: dict[str, Any]
     _data_state: dict[str, Any] | None
     _closed: bool

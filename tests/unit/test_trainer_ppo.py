@@ -287,3 +287,78 @@ def test_skipped_updates_with_prefetch_do_not_deadlock(tmp_path):
     rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
     assert [r["actor/update_skipped"] for r in rows] == [1.0] * 4
     assert all(r["version"] == 0 for r in rows)
+
+
+class LateSignalAgent:
+    """The first ``zeros`` episodes earn 0 (their batches carry no signal); later ones alternate
+    1, 0, so every later batch has some."""
+
+    def __init__(self, zeros: int):
+        self.zeros = zeros
+        self.calls = 0
+
+    async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        from openai import AsyncOpenAI
+
+        n = self.calls
+        self.calls += 1
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=3
+        )
+        return 0.0 if n < self.zeros else float(n % 2)
+
+
+@pytest.mark.timeout(600)
+def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
+    """``trainer.redraw_batches_without_signal: 1``: step 1's first batch (all rewards 0) is
+    replaced by the next one; that one has no signal either and the budget is spent, so step 1
+    ends without an update; step 2 updates. The budget used is checkpointed for a resume."""
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=redraw",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "gconfig.max_new_tokens=3",
+            "trainer.total_train_steps=2",
+            "trainer.redraw_batches_without_signal=1",
+            "trainer.tensorboard=false",
+            "trainer.recover='off'",
+            "trainer.progress=false",
+        ],
+    )
+    with PPOTrainer(cfg, DATA) as trainer:
+        final = trainer.train(workflow=LateSignalAgent(zeros=8))
+        assert trainer.redraws_used == 1
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    assert [r["rollout/redrawn"] for r in rows] == [1.0, 0.0]
+    assert [r["actor/updated"] for r in rows] == [0.0, 1.0]
+    assert [r["data/batch_index"] for r in rows] == [2, 3]  # three batches drawn for two steps
+    assert rows[-1]["version"] == 1
+    # the redrawn batch's episodes are dumped under step 1 too
+    dumped = [
+        json.loads(x)
+        for f in (Path(final["metrics_file"]).parent / "rollout").rglob("*.jsonl")
+        for x in f.read_text().splitlines()
+    ]
+    assert len({d["task_id"] for d in dumped if d["step"] == 1}) == 4
+    state = json.loads(
+        next(
+            (Path(final["metrics_file"]).parent / "checkpoints").rglob("trainer_state.json")
+        ).read_text()
+    )
+    assert state["redraws_used"] == 1
+
+
+def test_redraw_budget_must_not_be_negative():
+    from areal_env.api.config import TrainerConfig
+    from areal_env.api.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="redraw_batches_without_signal=-1 must be >= 0"):
+        TrainerConfig(redraw_batches_without_signal=-1).validate()

@@ -42,15 +42,15 @@ class GenerationConfig:
     prefix_choices: list[list[int]] | None = None
     """Constrained start: the output begins with one of these token sequences, then runs free
     (the proxy uses it for ``tool_choice: required``: the call names an offered tool). Tokens are
-    drawn from the distribution restricted to the allowed ones, and their reported logprobs are
-    those of that restricted distribution (0 for a forced token): the behaviour policy of the
-    importance ratio, so forced tokens carry no gradient. Engines that cannot constrain (SGLang)
-    ignore it."""
+    drawn from the distribution restricted to the allowed ones. A choice among several reports
+    the model's own (unrestricted) logprob, which the trainer recomputes, so the importance
+    ratio starts at 1; a forced token reports 0, so it carries no gradient (see
+    ``engine._sampling.sample_rows``). Engines that cannot constrain (SGLang) ignore it."""
     choice_exploration: float = 0.0
     """Exploration of a constrained start (``prefix_choices``, the tool named by a
     ``tool_choice: required`` call): at each point where several tokens are allowed, with this
     probability the token is drawn uniformly among them instead of from the model. Its reported
-    logprob stays the model's (restricted) one, so the trainer treats the draw as the policy's
+    logprob stays the model's own one, so the trainer treats the draw as the policy's
     own: a deliberate, epsilon-greedy-style bias towards trying every offered tool, for a model
     that almost never picks some of them (0 = off; greedy requests ignore it). Engines that
     cannot constrain (SGLang) ignore it."""

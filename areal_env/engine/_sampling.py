@@ -86,16 +86,21 @@ def sample_rows(
     Greedy rows take the argmax and report the logprob under the untempered, untruncated
     distribution (a point mass would give 0 and carry no information for training).
     ``allowed[i]``: row i may only pick one of these tokens (constrained decoding); it is drawn
-    from the row's tempered distribution restricted to them, and its reported logprob is that
-    of the restricted distribution it was drawn from (0 for a forced token). Why: the trainer's
-    importance ratio is new/behaviour probability. With the unrestricted one, a forced token the
-    model finds unlikely (logprob -38 at T=0.4) made the ratio explode to e^37 as soon as the
-    update raised it, and one such token dominated the PPO loss (approx_kl 3e16 at step 3 of a
-    T=0.4 run); a forced token is no choice of the policy and must carry no gradient.
+    from the row's tempered distribution restricted to them. Its reported logprob:
+
+    - a choice (several allowed tokens): the model's tempered, *unrestricted* logprob, the one
+      the trainer recomputes from the same weights, so the PPO ratio starts at 1. The restricted
+      one (what it was drawn from) differs by log Z, the allowed tokens' share of the mass: on
+      the demo's tool-name choice Z was 0.23 on average (0.05-0.57), so every ratio started near
+      0.23. A failed choice was then past the lower clip and got no gradient, and a right one was
+      pushed up until its probability had grown by 1.28/Z, not by 28 %, in one update.
+    - a forced token (one allowed token): 0. It is no choice of the policy: reporting its
+      unrestricted logprob (-38 at T=0.4) made the ratio explode to e^37 as soon as an update
+      raised it, and one such token dominated the loss (approx_kl 3e16 at step 3 of a T=0.4 run).
 
     A sampled constrained row with ``explore > 0`` (``GenerationConfig.choice_exploration``)
     replaces its draw, with that probability, by a uniform pick among the allowed tokens and
-    still reports the restricted model logprob of the token it took (see the field's docs).
+    still reports the model's logprob of the token it took, as above (see the field's docs).
     """
     device = logits.device
     temp = torch.tensor(
@@ -118,8 +123,10 @@ def sample_rows(
             # Normalised before it is drawn from: at a low temperature every allowed token may
             # be so unlikely that exp() of the unnormalised row underflows to 0 everywhere, and
             # the inverse-CDF draw would then return a token outside the allowed set.
-            report[i] = row - torch.logsumexp(row, dim=-1)
-            logp[i] = report[i]
+            logp[i] = row - torch.logsumexp(row, dim=-1)
+            # Reported: the model's own (tempered, unrestricted) logprob, which is what the
+            # trainer recomputes; a forced token reports 0 (no choice, see the docstring).
+            report[i] = logp[i] if len(allowed[i]) == 1 else full[i]  # type: ignore[index,arg-type]
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:

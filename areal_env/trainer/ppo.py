@@ -320,6 +320,10 @@ class PPOTrainer(TrainerSetup):
 
     async def _run_evaluation(self) -> dict[str, float]:
         assert self.evaluator is not None
+        # The update's freed activations are still in the heap: give them back first, or the
+        # evaluation's KV cache comes on top of them (the demo's last step, the one with an
+        # evaluation, peaked 0.6 GB above the others).
+        memory.release_free_memory()
         result = await self.evaluator.evaluate(version=self.version, step=self.step)
         return {f"eval/{k}": v for k, v in result.metrics.items()}
 

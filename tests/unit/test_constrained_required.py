@@ -2,7 +2,7 @@
 
 The engine part (``GenerationConfig.prefix_choices``) is checked on the real model: outputs start
 with one of the choices, greedy and sampled, and the reported logprobs are those of the
-restricted distribution the tokens were drawn from (0 for a forced token). The proxy part is checked through the
+model's own logprob of a chosen token (what the trainer recomputes; 0 for a forced token). The proxy part is checked through the
 OpenAI SDK: with ``required`` every call names an offered tool with its first argument key.
 """
 
@@ -39,7 +39,7 @@ def _tool(name: str, desc: str) -> dict:
 TOOLS = [_tool("plus", "Sum of x and y."), _tool("times", "Product of x and y.")]
 
 
-def test_sample_rows_respects_allowed_and_reports_restricted_logprobs():
+def test_sample_rows_respects_allowed_and_reports_the_models_logprobs():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     rows = [
         RowSampling(False, 1.0, 0, 1.0, random.Random(1)),
@@ -51,8 +51,9 @@ def test_sample_rows_respects_allowed_and_reports_restricted_logprobs():
     for _ in range(20):
         tokens, logps = sample_rows(logits, rows, allowed)
         assert tokens[0] in (7, 9) and tokens[1] == 3
-        restricted = torch.log_softmax(full[0, [7, 9]], dim=-1)
-        assert abs(logps[0] - restricted[[7, 9].index(tokens[0])]) < 1e-5
+        # a choice reports the model's unrestricted logprob: the trainer's, so the ratio starts
+        # at 1 (the restricted one is lower by log Z, Z = the allowed tokens' mass)
+        assert abs(logps[0] - full[0, tokens[0]]) < 1e-5
         assert logps[1] == 0.0  # forced: the only allowed token, no choice of the policy
         scaled = torch.log_softmax(logits[2] / 0.5, dim=-1)
         assert abs(logps[2] - scaled[tokens[2]]) < 1e-5
@@ -139,7 +140,7 @@ def test_json_end_tracks_brackets_strings_and_escapes():
 def test_choice_exploration_draws_uniformly_and_reports_the_models_logprob():
     logits = torch.full((4, 20), -5.0)
     logits[:, 7], logits[:, 9] = 8.0, -8.0  # the model all but never picks 9
-    restricted = torch.log_softmax(logits[0, [7, 9]], dim=-1)
+    model_logp = torch.log_softmax(logits[0], dim=-1)
     explore = RowSampling(False, 1.0, 0, 1.0, random.Random(5), explore=1.0)
     plain = RowSampling(False, 1.0, 0, 1.0, random.Random(6))
     greedy = RowSampling(True, 1.0, 0, 1.0, None, explore=1.0)
@@ -149,8 +150,8 @@ def test_choice_exploration_draws_uniformly_and_reports_the_models_logprob():
         tokens, logps = sample_rows(logits, [explore, plain, greedy, free], [[7, 9]] * 3 + [None])
         for row in picks:
             picks[row].append(tokens[row])
-        # whatever was drawn, the reported logprob is the model's restricted one
-        assert abs(logps[0] - restricted[[7, 9].index(tokens[0])]) < 1e-5
+        # whatever was drawn, the reported logprob is the model's own
+        assert abs(logps[0] - model_logp[tokens[0]]) < 1e-5
         assert tokens[3] == 7  # an unconstrained row is not explored
     assert 150 < picks[0].count(9) < 250  # uniform over the allowed tokens
     # each exploration draw is counted on its row (ModelResponse.explored); others count none

@@ -84,6 +84,42 @@ def test_trainer_mode_overrides_agent_params_and_recomputes_exactly(engine, acto
         proxy.stop()
 
 
+def test_a_required_tool_choice_reports_the_logprob_the_trainer_recomputes(engine, actor):
+    """``tool_choice: required`` constrains the call's first tokens to an offered tool name.
+    The chosen token's recorded logprob is the model's own, so the PPO ratio starts at 1; the
+    restricted distribution it was drawn from would be off by log Z (Z: the tool names' share
+    of the model's mass, 0.23 on average in the demo)."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "times",
+            "description": "Product of x and y.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "number"}}},
+        },
+    }
+    other = {"type": "function", "function": {**tool["function"], "name": "plus"}}
+    g = GenerationConfig(max_new_tokens=10, temperature=0.7, top_k=0)
+    proxy = _proxy(engine, "trainer", g)
+    try:
+        sids = []
+        for seed in range(3):
+            sid, key = open_session(proxy)
+            _complete(proxy, key, tools=[tool, other], tool_choice="required", seed=seed)
+            sids.append(sid)
+        batch = _batch(proxy, sids)
+        recomputed = actor.compute_logprobs(batch)
+        mask = batch["loss_mask"].bool()
+        first = mask & (mask.cumsum(dim=1) == 1)  # each row's first completion token: the choice
+        assert int(first.sum()) == 3
+        gap = (recomputed - batch["logprobs"])[first].abs().max()
+        assert float(gap) < 2e-3, float(gap)
+        # a forced token (the only allowed one) reports 0 and is no choice of the policy
+        chosen = batch["logprobs"][mask]
+        assert bool((chosen <= 0).all())
+    finally:
+        proxy.stop()
+
+
 def test_agent_mode_records_each_completions_temperature(engine, actor):
     proxy = _proxy(engine, "agent", GenerationConfig(max_new_tokens=10, temperature=0.7))
     try:

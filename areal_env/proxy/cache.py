@@ -82,6 +82,16 @@ class Interaction:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+def _trained(it: Interaction) -> list[int]:
+    """The loss mask of an interaction's output tokens: all of them, except the forced tokens of
+    a constrained start (``tool_choice: required``: the only token allowed there, reported with
+    logprob exactly 0). They are no choice of the policy and must carry no gradient; trained,
+    the PPO ratio of one is the model's probability of it, and a right episode pushed it up."""
+    if not it.extra.get("constrained"):
+        return [1] * len(it.output_ids)
+    return [0 if lp == 0.0 else 1 for lp in it.output_logprobs]
+
+
 # ---- canonical form and hashing --------------------------------------------------------------
 
 
@@ -441,7 +451,7 @@ class InteractionCache:
         self, it: Interaction, spans: list[tuple[int, int, str]], reward: float
     ) -> dict[str, Any]:
         n_prompt, n_out = len(it.prompt_ids), len(it.output_ids)
-        loss_mask = [0] * n_prompt + [1] * n_out
+        loss_mask = [0] * n_prompt + _trained(it)
         logprobs = [0.0] * n_prompt + list(it.output_logprobs)
         versions = [-1] * n_prompt + list(it.output_versions)
         t_end = float(it.extra.get("logprob_temperature", 1.0))
@@ -450,7 +460,7 @@ class InteractionCache:
         for start, length, ancestor_id in spans:
             anc = self._items[ancestor_id]
             explored = explored or bool(anc.extra.get("explored"))
-            loss_mask[start : start + length] = [1] * length
+            loss_mask[start : start + length] = _trained(anc)
             logprobs[start : start + length] = anc.output_logprobs
             versions[start : start + length] = anc.output_versions
             t_anc = float(anc.extra.get("logprob_temperature", 1.0))

@@ -283,6 +283,7 @@ class ProxyState:
                 },
                 "logprob_temperature": prep.sampling.logprob_temperature,
                 "explored": result.explored,
+                "constrained": prep.gconfig.prefix_choices is not None,
             },
         )
         try:

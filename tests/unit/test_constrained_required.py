@@ -52,7 +52,7 @@ def test_sample_rows_respects_allowed_and_reports_the_models_logprobs():
         tokens, logps = sample_rows(logits, rows, allowed)
         assert tokens[0] in (7, 9) and tokens[1] == 3
         # a choice reports the model's unrestricted logprob: the trainer's, so the ratio starts
-        # at 1 (the restricted one is lower by log Z, Z = the allowed tokens' mass)
+        # at 1 (the restricted one is higher by -log Z, Z = the allowed tokens' mass)
         assert abs(logps[0] - full[0, tokens[0]]) < 1e-5
         assert logps[1] == 0.0  # forced: the only allowed token, no choice of the policy
         scaled = torch.log_softmax(logits[2] / 0.5, dim=-1)
@@ -226,3 +226,35 @@ def test_constrained_draw_stays_allowed_when_the_allowed_tokens_are_unlikely():
             tokens, logps = sample_rows(logits, [row], [allowed])
             assert tokens[0] in allowed
             assert logps[0] <= 0.0
+
+
+def test_forced_tokens_of_a_required_call_are_not_trained(engine):
+    """The constrained start's forced tokens (after the tool name: `", "arguments": {"x": `)
+    report logprob 0 and are out of the exported loss mask; the chosen name and the model's
+    own tokens after the start are in it."""
+    gconfig = GenerationConfig(max_new_tokens=12, temperature=1.0)
+    proxy = ProxyServer(
+        engine, engine.tokenizer, ProxyConfig(sampling="trainer"), train_gconfig=gconfig
+    ).start()
+    try:
+        exported = _required_call(proxy, seed=1)
+        (row,) = exported["trajectories"].values()
+        (info,) = exported["interactions"]
+        mask, logps = row["loss_mask"], row["logprobs"]
+        start = info["num_prompt_tokens"]  # the output's first token
+        assert len(mask) == start + info["num_output_tokens"]
+        forced = [i for i in range(start, len(mask)) if logps[i] == 0.0]
+        assert forced, "a required call has forced tokens after the tool name"
+        assert all(mask[i] == 0 for i in forced)
+        assert mask[start] == 1  # the tool name: the policy's choice
+        assert sum(mask) == len(mask) - start - len(forced)
+        # the plain proxy (no constrained start) trains every output token
+        sid, key = open_session(proxy)
+        client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, seed=1
+        )
+        (plain,) = export_session(proxy, sid)["trajectories"].values()
+        assert sum(plain["loss_mask"]) == len(plain["input_ids"]) - plain["loss_mask"].index(1)
+    finally:
+        proxy.stop()

@@ -89,9 +89,11 @@ def test_trainer_evaluates_before_and_after_and_cli_evaluates_checkpoints(
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "eval/success_rate" in metrics[-1]
     assert (run_dir / "reward_curve.png").is_file()
-    # The agent was told which episodes were evaluations: 3 before, 3 after, 2 training.
+    # The agent was told which episodes were evaluations: 3 before, 3 after, 2 training per
+    # batch drawn (the example config redraws a batch in which no episode was right).
     seen = load_file_module(tmp_path / "agent.py").SEEN
-    assert sorted(seen) == [False] * 2 + [True] * 6
+    batches = 1 + int(metrics[-1]["rollout/redrawn"])
+    assert sorted(seen) == [False] * 2 * batches + [True] * 6
 
     for checkpoint, label in ((str(run_dir), "step_1"), (None, "base")):
         argv = [str(config), "--json", "--limit", "2"]

@@ -42,7 +42,9 @@ FAKE_SERVER = textwrap.dedent(
 
 TRAINER = textwrap.dedent(
     """
-    import sys, threading, time
+    import signal, sys, threading, time
+    # Ctrl-C as in a terminal: a job started in the background (`cmd &`) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     from areal_env.engine.launcher import launch_servers
     out = []

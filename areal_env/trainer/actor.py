@@ -398,6 +398,7 @@ class PPOActor:
             perm = torch.randperm(n_rows, generator=gen).tolist()
             n_mb = min(a.ppo_n_minibatches, n_rows)
             for mb_rows in (perm[i::n_mb] for i in range(n_mb)):
+                first_mb = not tally.grad_norms and tally.skipped_nonfinite == 0
                 mb_tokens = int(pb.mask[mb_rows].sum())
                 if mb_tokens == 0:
                     continue
@@ -422,6 +423,7 @@ class PPOActor:
                     tally.local_rows += len(micro)
                     (loss_sum * scale).backward()
                     mb_loss += float(loss_sum.detach()) / mb_tokens
+                    tally.note_micro(diag, first_minibatch=first_mb)
                     for k, v in diag.items():
                         sums[k] = sums.get(k, 0.0) + v
                 mb_loss = all_reduce_sums({"loss": mb_loss}, self.dist)["loss"]
@@ -511,7 +513,8 @@ class PPOActor:
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
-        out = {k: float(v.sum()) for k, v in diag.items()}
+        out = {k: float(v.sum()) for k, v in diag.items() if k != "log_ratio_max"}
+        out["log_ratio_max"] = float(diag["log_ratio_max"].max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0
         out["n"] = float(logp.numel())
         return loss.sum(), out

@@ -74,6 +74,7 @@ def ppo_token_loss(
         "clipped": clipped.detach(),
         "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
         "ratio": ratio.detach(),
+        "log_ratio_max": log_ratio.detach().abs(),
     }
     if behav_logp is not None:
         w = torch.exp(old_logp - behav_logp).detach()
@@ -261,6 +262,19 @@ class UpdateTally:
     packed_tokens: int = 0  # tokens the model computed (fewer when trees share prefixes)
     tree_used: bool = False
     local_rows: int = 0  # rows this rank trained on (all of them on one rank)
+    # The first minibatch's approx KL, summed, and its token count: measured before the first
+    # optimiser step, so it is the gap between the logprobs recorded at rollout and the ones
+    # this model computes now (0 unless the rollout's policy differs or something drifted).
+    start_kl: float = 0.0
+    start_n: float = 0.0
+    log_ratio_max: float = 0.0  # the largest |log ratio| of any token, over the whole update
+
+    def note_micro(self, diag: dict[str, float], *, first_minibatch: bool) -> None:
+        """Take a micro-batch's start-of-update KL and largest log ratio out of ``diag``."""
+        self.log_ratio_max = max(self.log_ratio_max, diag.pop("log_ratio_max", 0.0))
+        if first_minibatch:
+            self.start_kl += diag.get("approx_kl", 0.0)
+            self.start_n += diag.get("n", 0.0)
 
 
 def summarize_update(
@@ -278,7 +292,9 @@ def summarize_update(
     if dist.distributed:
         keys = ("n", "clipped", "approx_kl", "ratio", "entropy", "ref_kl", "behav_imp_weight")
         present = {k: sums.get(k, 0.0) for k in keys}
+        present["start_kl"], present["start_n"] = tally.start_kl, tally.start_n
         reduced = all_reduce_sums(present, dist)
+        tally.start_kl, tally.start_n = reduced.pop("start_kl"), reduced.pop("start_n")
         sums = {k: v for k, v in reduced.items() if k in sums or k in ("n",) or v != 0.0}
     denom = max(sums.get("n", 0.0), 1.0)
     elapsed = time.perf_counter() - t_start
@@ -287,6 +303,8 @@ def summarize_update(
             "actor/loss": sum(losses) / max(len(losses), 1),
             "actor/clip_frac": sums.get("clipped", 0.0) / denom,
             "actor/approx_kl": sums.get("approx_kl", 0.0) / denom,
+            "actor/start_kl": tally.start_kl / max(tally.start_n, 1.0),
+            "actor/log_ratio_max": tally.log_ratio_max,
             "actor/ratio_mean": sums.get("ratio", 0.0) / denom,
             "actor/entropy": sums.get("entropy", 0.0) / denom,
             "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),

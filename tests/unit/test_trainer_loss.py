@@ -184,6 +184,13 @@ def test_update_loss_and_grads_match_reference(actor_and_batch, model_path):
     assert stats["actor/update_skipped"] == 0.0
     assert stats["actor/loss"] == pytest.approx(expect_loss, rel=1e-3, abs=1e-4)
     assert stats["actor/clip_frac"] == pytest.approx(n_clipped / len(per_tok), abs=1e-6)
+    # one minibatch: the start-of-update KL is the whole update's, measured against the noisy
+    # behaviour logprobs before the optimiser step (the rollout/trainer gap it exists to show)
+    gaps = [x - o for x, o in zip(lp, old, strict=True)]
+    start_kl = sum(math.exp(d) - 1 - d for d in gaps) / len(gaps)
+    assert stats["actor/start_kl"] == pytest.approx(start_kl, rel=1e-3)
+    assert stats["actor/start_kl"] == pytest.approx(stats["actor/approx_kl"], rel=1e-6)
+    assert stats["actor/log_ratio_max"] == pytest.approx(max(abs(d) for d in gaps), abs=1e-4)
     assert stats["actor/grad_norm"] > 0
     assert stats["adv/zero_variance_groups"] == 0
     assert not torch.equal(before, actor.model.model.layers[3].mlp.up_proj.weight)

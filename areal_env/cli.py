@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # httpx logs every request at INFO (health probes, weight pushes): only its warnings.
-    for noisy in ("httpx", "httpcore"):
+    # httpx logs every request at INFO (health probes, weight pushes; httpx2 each MCP tool
+    # call): only their warnings.
+    for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     module = importlib.import_module(module_for(name, rest))
     return int(module.main(rest) or 0)

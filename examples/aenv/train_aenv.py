@@ -56,7 +56,7 @@ def run(argv: list[str] | None = None) -> dict:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for noisy in ("httpx", "mcp", "aenv", "uvicorn.access"):
+    for noisy in ("httpx", "httpx2", "mcp", "aenv", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from areal_env.api.config import ExperimentConfig, load_config

@@ -513,8 +513,8 @@ class PPOActor:
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
-        out = {k: float(v.sum()) for k, v in diag.items() if k != "log_ratio_max"}
-        out["log_ratio_max"] = float(diag["log_ratio_max"].max()) if logp.numel() else 0.0
+        out = {k: float(v.sum()) for k, v in diag.items()}
+        out["log_ratio_max"] = float((logp - old).abs().max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0
         out["n"] = float(logp.numel())
         return loss.sum(), out

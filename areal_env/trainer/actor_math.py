@@ -74,7 +74,6 @@ def ppo_token_loss(
         "clipped": clipped.detach(),
         "approx_kl": ((ratio - 1.0) - log_ratio).detach(),
         "ratio": ratio.detach(),
-        "log_ratio_max": log_ratio.detach().abs(),
     }
     if behav_logp is not None:
         w = torch.exp(old_logp - behav_logp).detach()

@@ -252,7 +252,9 @@ class _BatchLoop:
         right-aligned at column P, the rests right-aligned at the end, so the last column holds
         every row's last prompt token. Pad columns are masked out; position ids count real tokens.
         """
-        matches = [self._prefix.match(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit]
+        matches = [
+            self._prefix.match_parts(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit
+        ]
         if any(n == 0 for n, _ in matches):  # evicted since it was looked up: prefill it whole
             self._prefill_group(
                 [r for r, (n, _) in zip(admit, matches, strict=True) if n == 0], version
@@ -264,14 +266,17 @@ class _BatchLoop:
         P = max(n for n, _ in matches)
         rests = [len(r.req.input_ids) - n for r, (n, _) in zip(admit, matches, strict=True)]
         S = max(rests)
-        L, two, H, _, D = matches[0][1].shape
+        L, two, H, _, D = matches[0][1][0].shape
         n_rows = len(admit)
-        buf = matches[0][1].new_zeros((L, two, n_rows, H, P + S + _GROW, D))
+        buf = matches[0][1][0].new_zeros((L, two, n_rows, H, P + S + _GROW, D))
         mask = torch.zeros((n_rows, P + S + _GROW), dtype=torch.bool, device=self.device)
         ids = torch.zeros((n_rows, S), dtype=torch.long)
         pos = torch.zeros((n_rows, S), dtype=torch.long)
-        for i, (r, (n, kv)) in enumerate(zip(admit, matches, strict=True)):
-            buf[:, :, i, :, P - n : P] = kv
+        for i, (r, (n, parts)) in enumerate(zip(admit, matches, strict=True)):
+            col = P - n
+            for part in parts:  # the cached edges, copied straight into the batch buffer
+                buf[:, :, i, :, col : col + part.shape[3]] = part
+                col += part.shape[3]
             mask[i, P - n : P] = True
             mask[i, P + S - rests[i] : P + S] = True
             ids[i, S - rests[i] :] = torch.tensor(r.req.input_ids[n:], dtype=torch.long)
@@ -306,8 +311,11 @@ class _BatchLoop:
         lengths = [len(r.req.input_ids) for r in admit]
         if self._prefix.enabled:
             for i, r in enumerate(admit):
-                if lengths[i] >= _MIN_PREFIX:
-                    self._prefix.insert(r.req.input_ids, new_kv[:, :, i][:, :, :, mask[i]])
+                ids = r.req.input_ids
+                have = self._prefix.match_length(ids) if lengths[i] >= _MIN_PREFIX else len(ids)
+                if have < len(ids):  # copy only the columns of the tokens not cached yet
+                    cols = mask[i].nonzero().squeeze(1)[have:]
+                    self._prefix.insert(ids, new_kv[:, :, i].index_select(3, cols), start=have)
         tokens, logps = sample_rows(logits, [r.sampling for r in admit], _allowed(admit))
         now = time.perf_counter()
         for r in admit:
@@ -324,7 +332,7 @@ class _BatchLoop:
             new_kv, mask = new_kv.index_select(2, idx), mask.index_select(0, idx)
         new_tokens = torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.device)
         new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
-        self._kv = BatchKV.merge(self._kv, new_kv, mask)
+        self._kv = BatchKV.merge(self._kv, new_kv, mask, max_rows=self.max_batch_size)
         if self._running:
             assert self._next_tokens is not None and self._positions is not None
             self._next_tokens = torch.cat([self._next_tokens, new_tokens])
@@ -390,6 +398,7 @@ class _BatchLoop:
         assert (
             self._kv is not None and self._next_tokens is not None and self._positions is not None
         )
+        keep = BatchKV.fill_order(keep)  # rows from the end fill the gaps
         self._kv.select(keep)
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._next_tokens = self._next_tokens.index_select(0, idx)

@@ -2,11 +2,22 @@
 
 Why not transformers' ``DynamicCache``: it concatenates every layer's keys/values on every decode
 step (a full copy of the cache per token) and has no notion of rows joining a running batch.
-Here all layers live in ONE preallocated tensor ``[layers, 2, batch, kv_heads, capacity, head_dim]``
-whose live columns are ``[start, start + length)``. Sequences are right-aligned (left padding):
-every row writes its next token into the same column, and a boolean ``mask`` tells which columns of
-a row are real. A decode step writes one column in place; the buffer is only reallocated when the
-capacity runs out (amortised), when rows join (``merge``) or when rows leave (``select``).
+Here all layers live in ONE preallocated tensor ``[layers, 2, row capacity, kv_heads, column
+capacity, head_dim]``; rows ``[0, rows)`` are live and their live columns are
+``[start, start + length)``. Sequences are right-aligned (left padding): every row writes its next
+token into the same column, and a boolean ``mask`` tells which columns of a row are real.
+
+Why rows and columns have spare capacity: the batch's KV is most of the engine's memory traffic
+(32 agent rows behind a 500-token system prompt hold about 1 GB). Copying all of it whenever a
+row leaves or joins cost as much as the decoding itself (measured on the demo's traffic: 9 s of a
+24 s rollout). So a decode step writes one column in place; a joining row is written into a spare
+row (only its own KV is copied); a leaving row's slot is filled by a row from the end (only the
+moved rows are copied) and leading columns that became all padding are skipped by moving
+``start``. The storage is reallocated only when rows or columns run out (amortised).
+
+Storage is allocated uninitialised (untouched pages cost no memory, so spare rows are free until
+used). Every column that enters a row's live window is written (prompt, decoded token) or zeroed
+(padding) first, so masked columns hold finite values and attention gives them weight exactly 0.
 """
 
 from __future__ import annotations
@@ -19,14 +30,20 @@ from transformers.cache_utils import Cache, DynamicLayer
 _GROW = 64  # extra columns reserved whenever the buffer is (re)allocated
 
 
+def _headroom(length: int) -> int:
+    """Free columns kept left of the live window on (re)allocation: agent turns come back a few
+    dozen tokens longer than the rows still decoding, and they join in place when it fits."""
+    return max(_GROW, length // 4)
+
+
 class _BufferLayer(DynamicLayer):
     """One model layer's view into the shared buffer (transformers calls ``update`` per layer)."""
 
     def __init__(self, owner: BatchKV, idx: int) -> None:
         super().__init__()
         # A weak reference: a strong one would make BatchKV <-> layers a reference cycle, and
-        # every replaced batch buffer (one per merge, often a GB) would then live until the
-        # cyclic GC ran -- which grew a 4x8 agent rollout to 14 GB.
+        # every replaced batch buffer (often a GB) would then live until the cyclic GC ran --
+        # which grew a 4x8 agent rollout to 14 GB.
         self._owner = weakref.ref(owner)
         self.idx = idx
         self.is_initialized = True
@@ -62,9 +79,17 @@ class _BufferLayer(DynamicLayer):
 class BatchKV:
     """Keys/values and padding mask of the running batch (see module docstring)."""
 
-    def __init__(self, buf: torch.Tensor, mask: torch.Tensor, start: int, length: int) -> None:
-        self.buf = buf  # [L, 2, B, H, cap, D]
-        self.mask_buf = mask  # [B, cap] bool
+    def __init__(
+        self,
+        buf: torch.Tensor,
+        mask: torch.Tensor,
+        start: int,
+        length: int,
+        rows: int | None = None,
+    ) -> None:
+        self.storage = buf  # [L, 2, R, H, cap, D]; rows >= self.rows are spare
+        self.mask_storage = mask  # [R, cap] bool
+        self.rows = buf.shape[2] if rows is None else rows
         self.start = start
         self.length = length
         self.cache = Cache(layers=[_BufferLayer(self, i) for i in range(buf.shape[0])])
@@ -78,12 +103,26 @@ class BatchKV:
         )
 
     @property
+    def buf(self) -> torch.Tensor:
+        """The live rows' storage ``[L, 2, rows, H, cap, D]`` (a view)."""
+        return self.storage[:, :, : self.rows]
+
+    @property
+    def mask_buf(self) -> torch.Tensor:
+        """The live rows' mask storage ``[rows, cap]`` (a view)."""
+        return self.mask_storage[: self.rows]
+
+    @property
     def batch_size(self) -> int:
-        return self.buf.shape[2]
+        return self.rows
+
+    @property
+    def row_capacity(self) -> int:
+        return self.storage.shape[2]
 
     @property
     def capacity(self) -> int:
-        return self.buf.shape[4]
+        return self.storage.shape[4]
 
     @property
     def mask(self) -> torch.Tensor:
@@ -101,13 +140,20 @@ class BatchKV:
         """Make room for ``n`` more columns, compacting/reallocating only when needed."""
         if self.start + self.length + n <= self.capacity:
             return
-        new_cap = self.length + n + max(_GROW, self.length // 4)
-        L, two, B, H, _, D = self.buf.shape
-        buf = self.buf.new_zeros((L, two, B, H, new_cap, D))
-        buf[..., : self.length, :] = self.buf[..., self.start : self.start + self.length, :]
-        mask = self.mask_buf.new_zeros((B, new_cap))
-        mask[:, : self.length] = self.mask
-        self.buf, self.mask_buf, self.start = buf, mask, 0
+        head = _headroom(self.length)
+        self._reallocate(self.row_capacity, head + self.length + n + head, head)
+
+    def _reallocate(self, row_cap: int, cap: int, start: int) -> None:
+        """New storage; the live rows' live columns are copied to begin at ``start``. The rest is
+        left uninitialised (``torch.empty``: pages never touched cost no memory); whatever
+        enters the live window later is written or zeroed first (``merge``, decode steps)."""
+        L, two, _, H, _, D = self.storage.shape
+        buf = self.storage.new_empty((L, two, row_cap, H, cap, D))
+        s, e, r = self.start, self.start + self.length, self.rows
+        buf[:, :, :r, :, start : start + self.length] = self.storage[:, :, :r, :, s:e]
+        mask = self.mask_storage.new_zeros((row_cap, cap))
+        mask[:r, start : start + self.length] = self.mask_storage[:r, s:e]
+        self.storage, self.mask_storage, self.start = buf, mask, start
 
     def advance(self, n: int = 1) -> None:
         """Record that the forward pass wrote ``n`` columns."""
@@ -115,40 +161,75 @@ class BatchKV:
 
     # ---- rows joining and leaving ------------------------------------------------------
     @classmethod
-    def merge(cls, old: BatchKV | None, new_kv: torch.Tensor, new_mask: torch.Tensor) -> BatchKV:
-        """Append prefilled rows (``new_kv`` ``[L,2,n,H,T,D]``, ``new_mask`` ``[n,T]``), right-aligned."""
-        if old is None:
-            L, two, n, H, T, D = new_kv.shape
-            buf = new_kv.new_zeros((L, two, n, H, T + _GROW, D))
-            buf[..., :T, :] = new_kv
-            mask = new_mask.new_zeros((n, T + _GROW))
-            mask[:, :T] = new_mask
-            return cls(buf, mask, 0, T)
+    def merge(
+        cls,
+        old: BatchKV | None,
+        new_kv: torch.Tensor,
+        new_mask: torch.Tensor,
+        max_rows: int | None = None,
+    ) -> BatchKV:
+        """Append prefilled rows (``new_kv`` ``[L,2,n,H,T,D]``, ``new_mask`` ``[n,T]``),
+        right-aligned with the running ones. Writes them into ``old``'s spare rows (and returns
+        ``old``) when it has room; otherwise returns a new, larger ``BatchKV`` whose row capacity
+        doubles up to ``max_rows`` (the engine's batch limit), so a batch filling up in waves is
+        copied only a few times."""
         L, two, n, H, T, D = new_kv.shape
-        B, M = old.batch_size, max(old.length, T)
-        cap = M + _GROW
-        buf = new_kv.new_zeros((L, two, B + n, H, cap, D))
-        buf[:, :, :B, :, M - old.length : M] = old.buf[
-            :, :, :, :, old.start : old.start + old.length
-        ]
-        buf[:, :, B:, :, M - T : M] = new_kv
-        mask = new_mask.new_zeros((B + n, cap))
-        mask[:B, M - old.length : M] = old.mask
-        mask[B:, M - T : M] = new_mask
-        return cls(buf, mask, 0, M)
+        if old is None:  # spare rows up to max_rows: untouched, they cost no memory
+            head = _headroom(T)
+            row_cap = max(n, max_rows or n)
+            buf = new_kv.new_empty((L, two, row_cap, H, head + T + _GROW, D))
+            buf[:, :, :n, :, head : head + T] = new_kv
+            mask = new_mask.new_zeros((row_cap, head + T + _GROW))
+            mask[:n, head : head + T] = new_mask
+            return cls(buf, mask, head, T, rows=n)
+        rows, end = old.rows + n, old.start + old.length
+        if rows <= old.row_capacity and T <= end:
+            kv = old  # in place: the live window widens to the left if the new rows are longer
+        else:
+            row_cap = rows if max_rows is None else max(rows, min(max_rows, 2 * old.row_capacity))
+            M = max(old.length, T)
+            head = _headroom(M)
+            kv = cls(old.storage, old.mask_storage, old.start, old.length, old.rows)
+            kv._reallocate(row_cap, head + M + _GROW, head + M - old.length)
+            end = head + M
+        if T > kv.length:  # the old rows gain padding columns on the left: zeroed, masked
+            kv.storage[:, :, : kv.rows, :, end - T : kv.start] = 0
+            kv.mask_storage[: kv.rows, end - T : kv.start] = False
+            kv.start, kv.length = end - T, T
+        kv.storage[:, :, kv.rows : rows, :, kv.start : end - T] = 0
+        kv.storage[:, :, kv.rows : rows, :, end - T : end] = new_kv
+        kv.mask_storage[kv.rows : rows, kv.start : end - T] = False
+        kv.mask_storage[kv.rows : rows, end - T : end] = new_mask
+        kv.rows = rows
+        return kv
+
+    @staticmethod
+    def fill_order(keep: list[int]) -> list[int]:
+        """The row order ``select`` should be given to keep ``keep`` with the fewest copies:
+        kept rows already within the new batch stay where they are, and rows from the end fill
+        the slots of the rows that leave."""
+        n = len(keep)
+        kept = set(keep)
+        holes = [j for j in range(n) if j not in kept]
+        movers = [i for i in keep if i >= n]
+        order = list(range(n))
+        for j, i in zip(holes, movers, strict=True):
+            order[j] = i
+        return order
 
     def select(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` (in that order) and drop leading all-padding columns."""
-        idx = torch.tensor(keep, dtype=torch.long, device=self.buf.device)
-        live = self.mask.index_select(0, idx)
-        real_cols = live.any(0).nonzero()
+        """Keep only rows ``keep`` (row ``j`` becomes old row ``keep[j]``) and skip leading
+        all-padding columns. Only rows that change slot are copied."""
+        moved = [(j, i) for j, i in enumerate(keep) if i != j]
+        if moved:
+            s, e = self.start, self.start + self.length
+            dst = torch.tensor([j for j, _ in moved], dtype=torch.long, device=self.storage.device)
+            src = torch.tensor([i for _, i in moved], dtype=torch.long, device=self.storage.device)
+            live = self.storage[:, :, :, :, s:e]
+            live.index_copy_(2, dst, live.index_select(2, src))
+            self.mask_storage.index_copy_(0, dst, self.mask_storage.index_select(0, src))
+        self.rows = len(keep)
+        real_cols = self.mask.any(0).nonzero()
         skip = int(real_cols[0]) if real_cols.numel() else self.length
-        s, e = self.start + skip, self.start + self.length
-        self.length = e - s
-        cap = self.length + _GROW
-        L, two, _, H, _, D = self.buf.shape
-        buf = self.buf.new_zeros((L, two, len(keep), H, cap, D))
-        buf[..., : self.length, :] = self.buf[..., s:e, :].index_select(2, idx)
-        mask = self.mask_buf.new_zeros((len(keep), cap))
-        mask[:, : self.length] = live[:, skip:]
-        self.buf, self.mask_buf, self.start = buf, mask, 0
+        self.start += skip
+        self.length -= skip

@@ -64,6 +64,16 @@ class PrefixCache:
         """Longest cached prefix of ``tokens`` (at most ``limit`` tokens): its length and KV
         ``[L, 2, H, n, D]`` (a new tensor; n = 0 gives an empty one only when something is cached).
         """
+        n, parts = self.match_parts(tokens, limit)
+        return (n, torch.cat(parts, dim=3)) if n else (0, torch.empty(0))
+
+    def match_parts(
+        self, tokens: Sequence[int], limit: int | None = None
+    ) -> tuple[int, list[torch.Tensor]]:
+        """Like ``match``, but the KV as views of the cache's edges, in order (no copy): a caller
+        that writes the prefix into its own buffer copies it once instead of twice. The cache never
+        writes into a stored tensor (splits and evictions replace or drop them), so the views keep
+        their values whatever happens to the cache afterwards."""
         self.lookups += 1
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         node, pos = self._root, 0
@@ -83,8 +93,7 @@ class PrefixCache:
             node = child
         if pos:
             self.hits += 1
-            return pos, torch.cat(parts, dim=3)
-        return 0, torch.empty(0)
+        return pos, parts
 
     def match_length(self, tokens: Sequence[int], limit: int | None = None) -> int:
         """Length of the longest cached prefix, without copying (and without touching LRU)."""
@@ -102,16 +111,21 @@ class PrefixCache:
         return pos
 
     # ---- insertion -------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], kv: torch.Tensor) -> int:
-        """Store ``tokens`` with their KV ``[L, 2, H, len(tokens), D]``; returns the tokens added.
+    def insert(self, tokens: Sequence[int], kv: torch.Tensor, start: int = 0) -> int:
+        """Store ``tokens`` with the KV ``[L, 2, H, len(tokens) - start, D]`` of
+        ``tokens[start:]``; returns the tokens added. ``start`` lets a caller copy only what
+        ``match_length`` says is missing; it must not exceed the cached prefix.
 
         Only the part beyond what is cached is copied (``clone``, so the caller's buffers are not
         kept alive). Sequences longer than the whole budget are not stored.
         """
         if not self.enabled or not tokens or len(tokens) > self.max_tokens:
             return 0
-        if kv.shape[3] != len(tokens):
-            raise ValueError(f"kv holds {kv.shape[3]} positions for {len(tokens)} tokens")
+        if kv.shape[3] != len(tokens) - start:
+            raise ValueError(
+                f"kv holds {kv.shape[3]} positions for {len(tokens) - start} tokens "
+                f"({len(tokens)} from {start})"
+            )
         now = next(self._clock)
         node, pos = self._root, 0
         while pos < len(tokens):
@@ -124,9 +138,11 @@ class PrefixCache:
                 child = self._split(child, k)
             pos += k
             node = child
+        if pos < start:
+            raise ValueError(f"kv starts at token {start} but only {pos} tokens are cached")
         added = len(tokens) - pos
         if added:
-            leaf = _Node(tuple(tokens[pos:]), kv[:, :, :, pos:].clone(), node, now)
+            leaf = _Node(tuple(tokens[pos:]), kv[:, :, :, pos - start :].clone(), node, now)
             node.children[tokens[pos]] = leaf
             self.tokens += added
         self._evict(protect=node if not added else leaf)

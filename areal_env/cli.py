@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
+
+from areal_env.http.logs import configure_console_logging
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": (
@@ -53,13 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"areal-env: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # httpx logs every request at INFO (health probes, weight pushes; httpx2 each MCP tool
-    # call): only their warnings.
-    for noisy in ("httpx", "httpx2", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_console_logging()
     module = importlib.import_module(module_for(name, rest))
     return int(module.main(rest) or 0)
 

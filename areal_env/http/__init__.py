@@ -9,6 +9,8 @@
   (OpenAI and Anthropic shapes), :func:`install_error_handlers`.
 - :mod:`~areal_env.http.routes`: every route path, shared by servers and clients.
 - :mod:`~areal_env.http.client`: reading error bodies (httpx only, for light clients).
+- :mod:`~areal_env.http.logs`: :func:`configure_console_logging` (the command lines' logging,
+  HTTP libraries' per-request lines off).
 
 Layer: beside ``api`` (the bottom); it imports nothing else from the package. This file
 imports nothing, so a light client can use :mod:`~areal_env.http.routes` without loading the

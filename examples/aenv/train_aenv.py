@@ -53,11 +53,9 @@ def run(argv: list[str] | None = None) -> dict:
     """Start the servers, train (evaluating on the held-out split before and after), return the
     trainer's final metrics plus ``wall_s``."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    for noisy in ("httpx", "httpx2", "mcp", "aenv", "uvicorn.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from areal_env.http.logs import configure_console_logging
+
+    configure_console_logging(quiet=("mcp", "aenv", "uvicorn.access"))
 
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.infra.aenv.launcher import AenvServerLauncher

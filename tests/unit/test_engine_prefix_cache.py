@@ -39,6 +39,22 @@ def test_radix_cache_matches_longest_prefix_and_splits_edges():
     assert c.tokens == 0 and c.match(a)[0] == 0
 
 
+def test_insert_takes_only_the_missing_tail_and_match_parts_are_views():
+    c = PrefixCache(max_tokens=1000)
+    a = [5, 6, 7, 8, 9]
+    c.insert(a, _kv(a))
+    b = [5, 6, 7, 8, 1, 2]
+    have = c.match_length(b)
+    assert have == 4
+    assert c.insert(b, _kv(b)[:, :, :, have:], start=have) == 2  # the caller copied 2 columns
+    n, parts = c.match_parts(b)
+    assert n == 6 and torch.equal(torch.cat(parts, dim=3), _kv(b))
+    with pytest.raises(ValueError, match="only 0 tokens are cached"):
+        c.insert([3, 4, 5], _kv([4, 5]), start=1)  # a tail whose head is not cached
+    with pytest.raises(ValueError, match="holds 3 positions for 2 tokens"):
+        c.insert([3, 4], _kv([1, 2, 3]))
+
+
 def test_radix_cache_stays_within_budget_evicting_least_recently_used():
     c = PrefixCache(max_tokens=10)
     old, new = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]

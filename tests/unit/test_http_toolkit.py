@@ -114,3 +114,22 @@ def test_codec_round_trips_what_orjson_refuses():
     assert loads(dumps({1: "a"})) == {"1": "a"}
     assert loads(dumps({"n": 2**70})) == {"n": 2**70}
     assert error_message({"detail": "d"}, "x") == "d" and error_message(3, "x") == "x"
+
+
+def test_console_logging_keeps_http_libraries_to_warnings():
+    import logging
+
+    from areal_env.http.logs import NOISY_HTTP_LOGGERS, configure_console_logging
+
+    saved = {n: logging.getLogger(n).level for n in (*NOISY_HTTP_LOGGERS, "mcp")}
+    try:
+        for n in saved:
+            logging.getLogger(n).setLevel(logging.NOTSET)
+        configure_console_logging(quiet=("mcp",))
+        assert {n: logging.getLogger(n).level for n in saved} == dict.fromkeys(
+            saved, logging.WARNING
+        )
+        assert not logging.getLogger("httpx2").isEnabledFor(logging.INFO)
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)

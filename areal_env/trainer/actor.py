@@ -68,6 +68,7 @@ from areal_env.trainer.dist import (
     to_local_float,
 )
 from areal_env.trainer.tree import (
+    enable_tree_attention,
     pack_rows,
     packed_size,
     tree_micro_batches,
@@ -112,6 +113,11 @@ class PPOActor:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
             )
+        if actor.tree_training != "off" and not self.tree_unsupported:
+            # trunk/segment tree attention instead of the dense N^2 mask (tree.py); every call
+            # without a packed tree runs plain sdpa
+            base = getattr(self.model, "get_base_model", None)  # a LoRA (peft) wrapper
+            enable_tree_attention(base() if callable(base) else self.model)
         self.ref_model = None
         if actor.kl_coef > 0:
             self.ref_model = self._load(model_path, trainable=False)

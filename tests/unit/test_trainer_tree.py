@@ -14,6 +14,7 @@ from areal_env.trainer.tree import (
     enable_tree_attention,
     pack_rows,
     packed_size,
+    segment_tree_attention,
     tree_micro_batches,
 )
 
@@ -31,17 +32,58 @@ def test_pack_rows_shares_prefixes_and_keeps_row_order():
         assert tree.position_ids[path].tolist() == list(range(len(row)))
     assert tree.paths[1].tolist() == tree.paths[4].tolist()  # identical rows, identical nodes
     assert tree.paths[2][:4].tolist() == tree.paths[0].tolist()  # multi-turn: extends row 0
-    # every node is owned (added) by exactly one row, and attends to that row's path
-    blocks = tree.attention_blocks(block=2)
+    # every node is owned (added) by exactly one row
     owned = torch.cat([p[k:] for p, k in zip(tree.paths, tree.owned_from, strict=True)])
     assert sorted(owned.tolist()) == list(range(tree.n_nodes))
+
+
+def _segment_keys(seg, node: int) -> list[int]:
+    """The nodes ``node`` attends to under the trunk/segment layout."""
+    if node < seg.trunk:
+        return list(range(node + 1))
+    s, i = divmod(int(seg.slot[node - seg.trunk]), seg.q_idx.shape[1])
+    assert int(seg.q_idx[s, i]) == node
+    allowed = seg.allowed[s, 0, i]
+    return [k for k in range(seg.trunk) if allowed[k]] + sorted(
+        int(seg.q_idx[s, j]) for j in range(seg.q_idx.shape[1]) if allowed[seg.trunk + j]
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_segment_attention_equals_the_dense_tree_mask(seed):
+    """Random tries (shared system prompt or none, identical rows, rows inside the trunk): each
+    node attends to exactly its ancestors, and outputs and gradients equal the dense mask's."""
+    rng = random.Random(seed)
+    system = [rng.randint(0, 5) for _ in range(rng.randint(0, 6))]
+    rows = [
+        system + [rng.randint(0, 3) for _ in range(rng.randint(0 if system else 1, 7))]
+        for _ in range(rng.randint(1, 8))
+    ]
+    tree = pack_rows(rows)
+    seg = tree.attention_segments()
     dense = tree.ancestor_mask()
-    flat_q = blocks.q_idx.flatten()
+    assert seg.slot.numel() == tree.n_nodes - seg.trunk
     for node in range(tree.n_nodes):
-        b, i = divmod(int(blocks.slot[node]), 2)
-        assert int(flat_q[blocks.slot[node]]) == node
-        keys = blocks.k_idx[b][blocks.allowed[b, 0, i]]
-        assert sorted(keys.tolist()) == dense[node].nonzero().squeeze(-1).tolist()
+        assert _segment_keys(seg, node) == dense[node].nonzero().squeeze(-1).tolist()
+    n, heads, kv_heads, d = tree.n_nodes, 4, 2, 8
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(1, h, n, d, dtype=torch.float64, generator=g).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
+    rep = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=dense[None, None]
+    ).transpose(1, 2)
+    out = segment_tree_attention(q, k, v, seg, None)
+    assert out.shape == ref.shape and (out - ref).abs().max() < 1e-10
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(
+        torch.autograd.grad((ref * w).sum(), (q, k, v)),
+        torch.autograd.grad((out * w).sum(), (q, k, v)),
+        strict=True,
+    ):
+        assert (a - b).abs().max() < 1e-10
 
 
 def test_ancestor_mask_matches_brute_force():
@@ -160,17 +202,16 @@ def test_tree_logprobs_equal_flat(actor, tokenizer):
     assert (tree - flat).abs().max() < 1e-4
     assert (small - flat).abs().max() < 1e-4
     assert (tree[~mask] == 0).all()
-    # the block attention variant gives the same numbers
-    assert actor.model.config._attn_implementation == "sdpa"
-    assert enable_tree_attention(actor.model)
+    # the actor runs the trunk/segment attention; the dense mask gives the same numbers
     assert actor.model.config._attn_implementation == TREE_ATTN
+    actor.model.set_attn_implementation("sdpa")
     try:
-        blocks = _logprobs(actor, batch, "on", 4096)
-        same_flat = _logprobs(actor, batch, "off", 4096)  # the wrapper leaves other calls alone
+        dense = _logprobs(actor, batch, "on", 4096)
+        plain_flat = _logprobs(actor, batch, "off", 4096)
     finally:
-        actor.model.set_attn_implementation("sdpa")
-    assert (blocks - flat).abs().max() < 1e-4
-    assert torch.equal(same_flat, flat)
+        assert enable_tree_attention(actor.model)
+    assert (dense - tree).abs().max() < 1e-4
+    assert (plain_flat - flat).abs().max() < 1e-5  # the wrapper leaves other calls to sdpa
 
 
 def _grads(actor, batch, mode, budget):

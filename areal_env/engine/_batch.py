@@ -320,6 +320,7 @@ class _BatchLoop:
         now = time.perf_counter()
         for r in admit:
             r.first_token_at = now
+            r.kv_epoch = self._prefix.epoch
         self._record(admit, tokens, logps, version)
         keep = [i for i, r in enumerate(admit) if not self._check_done(r)]
         for i, r in enumerate(admit):
@@ -384,13 +385,16 @@ class _BatchLoop:
     def _retire(self) -> None:
         """Finish rows that are done (or cancelled) and shrink the batch."""
         keep: list[int] = []
+        done: list[int] = []
         for i, r in enumerate(self._running):
-            if self._check_done(r):
-                self._finish(r, r.reason)
-            else:
-                keep.append(i)
-        if len(keep) == len(self._running):
+            (done if self._check_done(r) else keep).append(i)
+        if not done:
             return
+        if self._prefix.enabled:
+            self._cache_outputs(done)
+        for i in done:
+            r = self._running[i]
+            self._finish(r, r.reason)
         if not keep:
             self._running, self._kv = [], None
             self._next_tokens = self._positions = None
@@ -404,6 +408,28 @@ class _BatchLoop:
         self._next_tokens = self._next_tokens.index_select(0, idx)
         self._positions = self._positions.index_select(0, idx)
         self._running = [self._running[i] for i in keep]
+
+    def _cache_outputs(self, rows: list[int]) -> None:
+        """Add the generated tokens of finished rows to the prefix cache (their KV is in the
+        batch): an agent's next turn starts with this turn's prompt and output, so it then
+        prefills only the new part (the tool result), as SGLang's radix cache does."""
+        kv = self._kv
+        assert kv is not None
+        s, e = kv.start, kv.start + kv.length
+        for i in rows:
+            r = self._running[i]
+            if r.reason not in ("stop", "length") or r.kv_epoch != self._prefix.epoch:
+                continue  # cancelled/aborted, or computed under weights the cache no longer holds
+            ids = list(r.req.input_ids) + r.out_tokens[:-1]  # the last token was never fed
+            have = self._prefix.match_length(ids)
+            if have >= len(ids) or len(ids) < _MIN_PREFIX:
+                continue
+            cols = kv.mask_buf[i, s:e].nonzero().squeeze(1)
+            if cols.numel() != len(ids):  # not this row's layout: leave the cache alone
+                logger.debug("row %d holds %d columns for %d tokens", i, cols.numel(), len(ids))
+                continue
+            tail = kv.buf[:, :, i, :, s:e].index_select(3, cols[have:])
+            self._prefix.insert(ids, tail, start=have)
 
     def _send_chunk(self, r: _Request) -> None:
         n = len(r.out_tokens)

@@ -22,6 +22,8 @@ import torch
 
 from areal_env.api.tokens import common_prefix_len
 
+_EPOCHS = itertools.count(1)  # process-wide, so a replaced cache never reuses an old epoch
+
 
 class _Node:
     __slots__ = ("key", "kv", "children", "parent", "used")
@@ -43,6 +45,7 @@ class PrefixCache:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens!r}")
         self.max_tokens = max_tokens
+        self.epoch = next(_EPOCHS)  # changes whenever the cached KV stops matching the weights
         self._clock = itertools.count(1)
         self._root = _Node((), None, None, 0)
         self.tokens = 0  # tokens stored
@@ -55,7 +58,9 @@ class PrefixCache:
         return self.max_tokens > 0
 
     def clear(self) -> None:
-        """Drop everything (after a weight update)."""
+        """Drop everything (after a weight update). KV computed before this call (a running
+        row's) must not be inserted afterwards: compare ``epoch``."""
+        self.epoch = next(_EPOCHS)
         self._root = _Node((), None, None, 0)
         self.tokens = 0
 

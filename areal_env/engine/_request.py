@@ -34,6 +34,7 @@ class _Request:
     done: bool = False
     reason: str = ""  # why it stopped (set by _check_done)
     json_end: JsonEnd | None = None  # GenerationConfig.stop_at_json_end
+    kv_epoch: int = -1  # the prefix cache's epoch when this row was prefilled
 
 
 def _allowed(rows: list[_Request]) -> list[list[int] | None] | None:

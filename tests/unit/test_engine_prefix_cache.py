@@ -136,7 +136,36 @@ def test_cached_prefill_gives_the_uncached_outputs(engines, tokenizer):
     for p, r in zip(turn2, ref2, strict=True):
         _same(asyncio.run(_run(on, [p])), [r])
     computed = on.stats()["prefill_tokens"] - before
-    assert computed < 0.5 * sum(map(len, turn2))
+    # each turn's prompt and output were cached when it finished: only the last output token
+    # (never fed back) and the new user message are computed
+    extra = len(tokenizer("\nuser: thanks, and 2+2?")["input_ids"])
+    assert computed == len(turn2) * (extra + 1)
+
+
+def test_a_row_decoded_across_a_weight_update_is_not_cached(engines, tokenizer):
+    """Its keys/values mix two weight versions: the emptied cache must not take them back."""
+    on, _ = engines
+    prompt = _prompts(tokenizer)[3]
+    state = {k: v.clone() for k, v in on.model.state_dict().items()}
+    perturbed = {k: (v * 1.01 if "layers.0.mlp" in k else v) for k, v in state.items()}
+    v0 = on.get_version()
+
+    async def across_update():
+        g = GenerationConfig(max_new_tokens=40, greedy=True, ignore_eos=True)
+        task = asyncio.ensure_future(on.agenerate(ModelRequest(list(prompt), g)))
+        start = on.stats()["tokens_generated"]
+        while on.stats()["tokens_generated"] < start + 5:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(on.update_weights, perturbed)
+        return await task
+
+    try:
+        out = asyncio.run(across_update())
+        assert len(set(out.output_versions)) == 2
+        assert on._prefix.match_length(list(prompt) + out.output_tokens[:-1]) == 0
+    finally:
+        on.update_weights(state)
+        on.set_version(v0)
 
 
 def test_weight_update_invalidates_the_cache(engines, tokenizer):

@@ -30,7 +30,7 @@ runs it as a registered forward method so its root parameters are gathered.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,11 +130,22 @@ class TreeSegments:
     q_idx: torch.Tensor  # [S, W] node of each segment slot (padding slots repeat node 0)
     allowed: torch.Tensor  # [S, 1, W, trunk + W] bool: trunk keys, then the segment's own
     slot: torch.Tensor  # [N - trunk] flat (segment, position) slot of each node below the trunk
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device | str) -> TreeSegments:
         return TreeSegments(
             self.trunk, self.q_idx.to(device), self.allowed.to(device), self.slot.to(device)
         )
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of ``allowed``, built once per forward (every layer and the
+        checkpointed recompute share this object) instead of once per layer call."""
+        b = self._bias.get(dtype)
+        if b is None:
+            b = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            b.masked_fill_(~self.allowed, torch.finfo(dtype).min)
+            self._bias[dtype] = b
+        return b
 
 
 def segment_tree_attention(
@@ -175,9 +186,7 @@ def segment_tree_attention(
             shape = (n_seg, key.shape[1], t, key.shape[3])
             k = torch.cat([key[:, :, :t].expand(shape), k], dim=2)
             v = torch.cat([value[:, :, :t].expand(shape), v], dim=2)
-        bias = torch.zeros(seg.allowed.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(~seg.allowed, torch.finfo(q.dtype).min)
-        out = sdpa(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=gqa)  # [S, H, W, d]
+        out = sdpa(q, k, v, attn_mask=seg.bias(q.dtype), scale=scaling, enable_gqa=gqa)
         flat = out.transpose(1, 2).reshape(n_seg * width, out.shape[1], out.shape[3])
         parts.append(flat[seg.slot][None])
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -199,14 +199,17 @@ SHORT_PROMPTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~4 min on an idle 2-core CPU; generous for a loaded CI machine
+@pytest.mark.timeout(1800)  # ~2.5 min on an idle 2-core CPU; generous for a loaded CI machine
 def test_learns_a_short_reply_target(tmp_path):
     """Length target (1 for at most 5 words, falling to 0 at 25): the reward over the last steps
-    clearly beats the first steps. Proves the loop learns (not that answers get better: see the demo's task)."""
+    clearly beats the first steps. Proves the loop learns (not that answers get better: see the demo's task).
+
+    8 steps, not 6: four local runs of 6 steps gained +0.35 to +0.47, but one CI run gained
+    only +0.14 (0.25 -> 0.39, still climbing at every step); two more steps give a slow run room."""
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.trainer.ppo import PPOTrainer
 
-    steps = 6
+    steps = 8
     cfg = load_config(
         ExperimentConfig,
         None,
@@ -241,7 +244,12 @@ def test_learns_a_short_reply_target(tmp_path):
         f"first 2 steps {first:.3f} -> last 2 steps {last:.3f} "
         f"({time.monotonic() - t0:.0f} s)"
     )
-    assert last >= first + 0.15, (first, last, rewards)
+    # On failure, say whether the update itself went wrong: the trainer's logprobs against the
+    # engine's (start_kl), the step's KL, clipping and gradient norm, and skipped steps.
+    keys = ("actor/start_kl", "actor/approx_kl", "actor/clip_frac", "actor/grad_norm")
+    diag = [{k.split("/")[1]: round(r.get(k, float("nan")), 4) for k in keys} for r in rows]
+    skipped = sum(r.get("actor/nonfinite_skipped", 0.0) for r in rows)
+    assert last >= first + 0.15, (first, last, rewards, diag, f"non-finite skipped {skipped}")
 
 
 class ConstantAgent:

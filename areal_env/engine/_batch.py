@@ -7,6 +7,7 @@ finished rows at the step boundary, shrinking the batch's KV with them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -27,6 +28,16 @@ logger = logging.getLogger("areal_env.engine.local")  # the engine's log name, k
 _MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bounds decode stalls)
 _LOG_EVERY_S = 30.0  # progress log interval while busy
 _MIN_PREFIX = 32  # shortest cached prefix worth a separate prefill path
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward keyword that takes the KV cache: ``cache`` from transformers 5.24 on (the old
+    ``past_key_values`` warns there and is removed in 5.40), ``past_key_values`` before."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a wrapper without an inspectable signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class _BatchLoop:
@@ -54,6 +65,13 @@ class _BatchLoop:
     _log_at: float
     _log_tokens: int
     _stats: dict[str, int]
+
+    def _forward(self, cache: Any, **kwargs: Any) -> Any:
+        """One model forward that extends ``cache`` in place, under this transformers' keyword."""
+        keyword = self.__dict__.get("_cache_keyword")
+        if keyword is None:
+            keyword = self.__dict__["_cache_keyword"] = cache_keyword(self.model)
+        return self.model(**kwargs, **{keyword: cache})
 
     def _log_progress(self) -> None:
         now = time.perf_counter()
@@ -139,11 +157,11 @@ class _BatchLoop:
         kv = self._kv
         assert kv is not None and self._next_tokens is not None and self._positions is not None
         mask = kv.mask_for_step(1)
-        out = self.model(
+        out = self._forward(
+            kv.cache,
             input_ids=self._next_tokens[:, None],
             attention_mask=mask,
             position_ids=self._positions[:, None],
-            past_key_values=kv.cache,
             use_cache=True,
         )
         kv.advance(1)
@@ -207,9 +225,9 @@ class _BatchLoop:
                 from transformers import DynamicCache
 
                 cache = DynamicCache()
-                self.model(
+                self._forward(
+                    cache,
                     input_ids=torch.tensor([prefix], dtype=torch.long, device=self.device),
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
@@ -232,11 +250,11 @@ class _BatchLoop:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        out = self.model(
+        out = self._forward(
+            cache,
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -284,11 +302,11 @@ class _BatchLoop:
             pos[i, : S - rests[i]] = n
             self._stats["prefix_cache_hit_tokens"] += n
         kv_state = BatchKV(buf, mask, 0, P)
-        out = self.model(
+        out = self._forward(
+            kv_state.cache,
             input_ids=ids.to(self.device),
             attention_mask=mask[:, : P + S],
             position_ids=pos.to(self.device),
-            past_key_values=kv_state.cache,
             use_cache=True,
             logits_to_keep=1,
         )

@@ -374,3 +374,32 @@ async def test_unavailable_destroyed_and_context_limit(model_path, tokenizer):
         small.destroy()
     with pytest.raises(EngineUnavailableError):
         await small.agenerate(request(tokenizer, "hi", max_new_tokens=2))
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """transformers 5.24 renamed forward's KV argument to ``cache``; older releases take
+    ``past_key_values``. The engine passes whichever the model's forward declares."""
+    from areal_env.engine._batch import cache_keyword
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"
+
+
+async def test_generation_raises_no_cache_deprecation(engine, tokenizer):
+    """The real model's decode loop uses the keyword its transformers wants: no FutureWarning
+    about ``past_key_values`` (an argument that is removed in transformers 5.40)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        resp = await engine.agenerate(request(tokenizer, QUESTIONS[3], max_new_tokens=4))
+    assert resp.output_tokens
+    assert not [w for w in seen if "past_key_values" in str(w.message)], [
+        str(w.message) for w in seen
+    ]

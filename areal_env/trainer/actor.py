@@ -520,7 +520,7 @@ class PPOActor:
             entropy_coef=a.entropy_coef,
         )
         out = {k: float(v.sum()) for k, v in diag.items()}
-        out["log_ratio_max"] = float((logp - old).abs().max()) if logp.numel() else 0.0
+        out["log_ratio_max"] = float((logp.detach() - old).abs().max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0
         out["n"] = float(logp.numel())
         return loss.sum(), out

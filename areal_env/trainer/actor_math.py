@@ -218,7 +218,7 @@ def _single_temperature(
 def _row_lengths(attn: torch.Tensor) -> list[int]:
     """Valid length of each right-padded row (index of the last attended token + 1)."""
     attn = attn.bool()
-    pos = torch.arange(attn.shape[1]).expand_as(attn)
+    pos = torch.arange(attn.shape[1], device=attn.device).expand_as(attn)
     last = torch.where(attn, pos, torch.full_like(pos, -1)).max(dim=1).values
     return [max(int(x) + 1, 1) for x in last]
 

@@ -217,12 +217,25 @@ def full_state_dict(model: torch.nn.Module, *, trainable_only: bool = False) -> 
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
     sd = get_model_state_dict(model, options=opts)
+    # With one rank on the CPU the "gathered, offloaded" tensors are the live parameters
+    # themselves (and tied names share one): copy those, so that no caller ever holds tensors
+    # the optimiser goes on changing, and every name owns its memory, as unsharded.
+    live = {_storage_ptr(p) for p in model.parameters()}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and _storage_ptr(v) in live:
+            sd[k] = v.detach().clone()
     if trainable_only:
         # DCP keeps a tied weight under every name (a frozen lm_head tied to the embeddings
         # stays in); ``named_parameters`` names each parameter once, as the unsharded path does.
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         sd = {k: v for k, v in sd.items() if k in names}
     return sd
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of the memory behind ``t`` (a DTensor's: its local shard's)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.untyped_storage().data_ptr())
 
 
 def to_local_float(value: Any) -> float:

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--save-after", type=int, default=None, help="checkpoint after N updates")
     ap.add_argument("--resume", action="store_true", help="restore the latest checkpoint first")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto (FSDP: NCCL on CUDA)")
     ap.add_argument("--push-dir", default=None, help="write what a weight push writes, timed")
     args = ap.parse_args(argv)
 
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         lora=LoraConfig(r=8, alpha=16) if args.lora else None,
         tree_training=args.tree,
     )
-    model_cfg = ModelConfig(path=args.model, device="cpu", gradient_checkpointing=True)
+    model_cfg = ModelConfig(
+        path=args.model, device=args.device, dtype="float32", gradient_checkpointing=True
+    )
     actor = PPOActor(args.model, actor_cfg, model_cfg, seed=1)
     rank = actor.dist.rank
     batch = fixed_batch(actor.model.config.vocab_size, shared_prefix=args.shared_prefix)
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = actor.update(batch, step=i)
         dt = time.perf_counter() - t0
         sd = actor.state_dict_for_engine() if not args.lora else actor.adapter_state_dict()
+        live = {_storage_ptr(p) for p in actor.model.parameters()}
+        aliased = sorted(k for k, v in sd.items() if _storage_ptr(v) in live)
         if rank == 0 and args.out:
             from safetensors.torch import save_file
 
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tree_packed": stats.get("actor/tree_packed"),
                 "computed_tokens": stats.get("actor/computed_tokens"),
                 "step_s": dt,
+                "aliased": aliased,  # pushed tensors that are live parameters (must be none)
             }
         )
         if args.save_after is not None and i + 1 == args.save_after:
@@ -158,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
     destroy()
     return 0
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.untyped_storage().data_ptr())
 
 
 def _state_bytes(actor) -> int:

@@ -142,6 +142,25 @@ def test_fsdp_two_ranks_tree_step_equals_single_process_flat(tmp_path, model_pat
     assert step > 2e-4, step
 
 
+def test_fsdp_one_rank_pushes_copies_not_live_parameters(tmp_path, model_path):
+    """FSDP over one rank on the CPU (torchrun --nproc-per-node 1): the gathered state dict's
+    tensors were the live parameters (and the tied embedding/head one tensor), so a push handed
+    out weights the optimiser went on changing. Every pushed tensor is now a copy, and the step
+    equals the single-process one."""
+    from tests.gpu.make_tiny_model import make_tiny_model
+
+    tiny = str(make_tiny_model(model_path, str(tmp_path / "tiny")))
+    common = ["--model", tiny, "--steps", "sgd,adamw", "--shared-prefix", "16"]
+    (single,) = run_worker([*common, "--strategy", "single", "--out", str(tmp_path / "s")])
+    (rank0,) = run_worker([*common, "--strategy", "fsdp", "--out", str(tmp_path / "f")], nproc=1)
+    assert rank0["world_size"] == 1
+    for i, name in enumerate(["sgd", "adamw"]):
+        assert single["steps"][i]["aliased"] == [] and rank0["steps"][i]["aliased"] == []
+        a = _load(tmp_path / "s" / f"{i}_{name}.st")
+        b = _load(tmp_path / "f" / f"{i}_{name}.st")  # tied names in separate memory: saves
+        assert _max_diff(a, b) < 1e-5, name
+
+
 def _load_initial(model_path):
     from pathlib import Path
 

@@ -1,40 +1,46 @@
 """Write a small random Llama (with a real tokenizer) as a Hugging Face folder.
 
-    python -m tests.gpu.make_tiny_model TOKENIZER_FOLDER OUT_FOLDER
+    python -m tests.gpu.make_tiny_model TOKENIZER_FOLDER OUT_FOLDER [--like CONFIG_JSON]
 
 For GPU machines that cannot fetch the default model: the CUDA tests check code paths (devices,
 dtypes, attention, weight pushes, NCCL), not what a model knows, so random weights of the real
 architecture do. The tokenizer folder is small enough to carry (the converted default model's
-``tokenizer*.json`` and ``special_tokens_map.json``).
+``tokenizer*.json`` and ``chat_template.jinja``). ``--like`` takes a real model's
+``config.json`` instead: its full architecture with random weights, for GPU throughput figures
+(speed does not depend on the weights' values).
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 
-def make_tiny_model(tokenizer_dir: str, out_dir: str, *, seed: int = 0) -> Path:
+def make_tiny_model(
+    tokenizer_dir: str, out_dir: str, *, seed: int = 0, like: str | None = None
+) -> Path:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    if like is not None:
+        cfg = AutoConfig.from_pretrained(like)
+    else:
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -44,4 +50,11 @@ def make_tiny_model(tokenizer_dir: str, out_dir: str, *, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    print(make_tiny_model(sys.argv[1], sys.argv[2]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tokenizer_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--like", default=None, help="a config.json (or folder): that architecture")
+    args = ap.parse_args()
+    print(make_tiny_model(args.tokenizer_dir, args.out_dir, like=args.like))

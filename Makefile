@@ -10,7 +10,7 @@ AENV_VENV ?= .venv-aenv
 AENV_STAMP := $(AENV_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-aenv demo test test-fast lint typecheck format bench clean
+.PHONY: venv venv-aenv demo test test-fast test-gpu lint typecheck format bench clean
 
 venv: $(STAMP) $(AENV_STAMP)
 
@@ -43,6 +43,11 @@ test: venv
 test-fast: venv
 	@start=$$(date +%s); $(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# The CUDA paths (tests/gpu), on a GPU machine: they skip without one. AREAL_ENV_GPU_MODEL=FOLDER
+# runs them on another model (see docs/scaling.md).
+test-gpu: venv
+	$(PY) -m pytest tests/gpu -ra $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check areal_env tests bench agents examples

@@ -65,13 +65,11 @@ class _BatchLoop:
     _log_at: float
     _log_tokens: int
     _stats: dict[str, int]
+    _cache_keyword: str  # set with the model (``cache_keyword``)
 
     def _forward(self, cache: Any, **kwargs: Any) -> Any:
         """One model forward that extends ``cache`` in place, under this transformers' keyword."""
-        keyword = self.__dict__.get("_cache_keyword")
-        if keyword is None:
-            keyword = self.__dict__["_cache_keyword"] = cache_keyword(self.model)
-        return self.model(**kwargs, **{keyword: cache})
+        return self.model(**kwargs, **{self._cache_keyword: cache})
 
     def _log_progress(self) -> None:
         now = time.perf_counter()

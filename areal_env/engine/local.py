@@ -23,7 +23,13 @@ import torch
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
-from areal_env.engine._batch import _LOG_EVERY_S, _MAX_PREFILL_TOKENS, _MIN_PREFIX, _BatchLoop
+from areal_env.engine._batch import (
+    _LOG_EVERY_S,
+    _MAX_PREFILL_TOKENS,
+    _MIN_PREFIX,
+    _BatchLoop,
+    cache_keyword,
+)
 from areal_env.engine._json_end import JsonEnd
 from areal_env.engine._kv import BatchKV
 from areal_env.engine._prefix import PrefixCache
@@ -163,6 +169,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model
+        self._cache_keyword = cache_keyword(model)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048

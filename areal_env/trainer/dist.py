@@ -220,9 +220,9 @@ def full_state_dict(model: torch.nn.Module, *, trainable_only: bool = False) -> 
     # With one rank on the CPU the "gathered, offloaded" tensors are the live parameters
     # themselves (and tied names share one): copy those, so that no caller ever holds tensors
     # the optimiser goes on changing, and every name owns its memory, as unsharded.
-    live = {_storage_ptr(p) for p in model.parameters()}
+    live = {storage_ptr(p) for p in model.parameters()}
     for k, v in sd.items():
-        if isinstance(v, torch.Tensor) and _storage_ptr(v) in live:
+        if isinstance(v, torch.Tensor) and storage_ptr(v) in live:
             sd[k] = v.detach().clone()
     if trainable_only:
         # DCP keeps a tied weight under every name (a frozen lm_head tied to the embeddings
@@ -232,7 +232,7 @@ def full_state_dict(model: torch.nn.Module, *, trainable_only: bool = False) -> 
     return sd
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_ptr(t: torch.Tensor) -> int:
     """The address of the memory behind ``t`` (a DTensor's: its local shard's)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return int(local.untyped_storage().data_ptr())

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_env.api.config import ActorConfig, LoraConfig, ModelConfig
     from areal_env.trainer import checkpoint as ckpt
     from areal_env.trainer.actor import PPOActor
+    from areal_env.trainer.dist import storage_ptr
 
     torch.manual_seed(0)
     actor_cfg = ActorConfig(
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = actor.update(batch, step=i)
         dt = time.perf_counter() - t0
         sd = actor.state_dict_for_engine() if not args.lora else actor.adapter_state_dict()
-        live = {_storage_ptr(p) for p in actor.model.parameters()}
-        aliased = sorted(k for k, v in sd.items() if _storage_ptr(v) in live)
+        live = {storage_ptr(p) for p in actor.model.parameters()}
+        aliased = sorted(k for k, v in sd.items() if storage_ptr(v) in live)
         if rank == 0 and args.out:
             from safetensors.torch import save_file
 
@@ -164,11 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
     destroy()
     return 0
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return int(local.untyped_storage().data_ptr())
 
 
 def _state_bytes(actor) -> int:

@@ -21,16 +21,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from areal_env.infra.aenv.config import AenvConfig
-from areal_env.infra.base import EnvError, ToolEnvironment
-from areal_env.infra.episode import (
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.base import EnvError, ToolEnvironment
+from areal_env.envs.episode import (
     EnvAgentBase,
     EpisodeOutcome,
     compute_reward,
     initial_messages,
     logged_tool_call,
 )
-from areal_env.infra.mcp.config import McpConfig
+from areal_env.envs.mcp.config import McpConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_env.infra.episode import (
+from areal_env.envs.episode import (
     EnvAgentBase,
     EpisodeOutcome,
     compute_reward,

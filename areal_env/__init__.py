@@ -1,7 +1,7 @@
 """areal-env: train any LLM agent with RL through an OpenAI/Anthropic-compatible proxy.
 
 The public names are imported lazily so that ``import areal_env`` stays light (no torch) for
-client-side code such as ``areal_env.service.client``.
+agent-side code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # agents and training
-    "AenvAgent": "areal_env.aenv_agent",
+    "AenvAgent": "areal_env.envs.agent",
     "PPOTrainer": "areal_env.trainer.ppo",
     "RolloutWorkflow": "areal_env.api.workflow",
     "resolve_workflow": "areal_env.workflow.resolve",
@@ -37,14 +37,14 @@ _EXPORTS: dict[str, str] = {
     "ProxyServer": "areal_env.proxy.server",
     "OpenAIProxyClient": "areal_env.proxy.client",
     # tool environments: aenvironment servers and any MCP server
-    "AenvConfig": "areal_env.infra.aenv",
-    "AenvEnvironmentAdapter": "areal_env.infra.aenv",
-    "McpConfig": "areal_env.infra.mcp",
-    "McpEnvironmentAdapter": "areal_env.infra.mcp",
-    "ToolEnvironment": "areal_env.infra.base",
+    "AenvConfig": "areal_env.envs.aenv",
+    "AenvEnvironmentAdapter": "areal_env.envs.aenv",
+    "McpConfig": "areal_env.envs.mcp",
+    "McpEnvironmentAdapter": "areal_env.envs.mcp",
+    "ToolEnvironment": "areal_env.envs.base",
     # any-agent service (client side)
-    "AgentSession": "areal_env.service.client",
-    "AgentRunner": "areal_env.service.client",
+    "AgentSession": "areal_env_client",
+    "AgentRunner": "areal_env_client",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -64,7 +64,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from areal_env.aenv_agent import AenvAgent  # noqa: F401
     from areal_env.api.config import ConfigError, ExperimentConfig, load_config  # noqa: F401
     from areal_env.api.engine import InferenceEngine  # noqa: F401
     from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse  # noqa: F401
@@ -72,4 +71,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from areal_env.api.source import BatchSource  # noqa: F401
     from areal_env.api.workflow import RolloutWorkflow  # noqa: F401
     from areal_env.engine.local import LocalEngine  # noqa: F401
+    from areal_env.envs.agent import AenvAgent  # noqa: F401
     from areal_env.trainer.ppo import PPOTrainer  # noqa: F401

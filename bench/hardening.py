@@ -1353,10 +1353,10 @@ def fault_env_server(tokenizer: Any, how: str) -> int:
     accepted with their tool result."""
     import signal
 
-    from areal_env.aenv_agent import AenvAgent
     from areal_env.api.config import RolloutConfig
-    from areal_env.infra.aenv.launcher import AenvServerLauncher
-    from areal_env.infra.episode import EnvironmentPool
+    from areal_env.envs.aenv.launcher import AenvServerLauncher
+    from areal_env.envs.agent import AenvAgent
+    from areal_env.envs.episode import EnvironmentPool
     from areal_env.proxy.server import ProxyServer
     from areal_env.workflow.executor import RolloutExecutor
     from areal_env.workflow.resolve import resolve_workflow

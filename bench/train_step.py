@@ -43,7 +43,8 @@ import torch
 from areal_env.api.config import ActorConfig, ModelConfig
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 from areal_env.trainer import memory
-from areal_env.trainer.actor import PPOActor, _enable_checkpointing
+from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.actor_lora import _enable_checkpointing
 
 
 def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):

@@ -4,7 +4,7 @@
 converts and validates every value, and raises ``ConfigError`` naming the bad key and value (an
 unknown key lists the valid ones). Each section owns its ``validate()``. This module holds the
 sections and ``load_config``; the loader's machinery (type conversion, overrides) is
-``config_load``, its names re-exported here.
+``config_load``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
-
-from areal_env.api.config_load import _build as _build
-from areal_env.api.config_load import _coerce_number as _coerce_number
-from areal_env.api.config_load import _convert as _convert
-from areal_env.api.config_load import _merge as _merge
-from areal_env.api.config_load import _set_dotted as _set_dotted
-from areal_env.api.config_load import _type_name as _type_name
-from areal_env.api.config_load import config_from_dict as config_from_dict
-from areal_env.api.config_load import parse_overrides as parse_overrides
-from areal_env.api.config_load import validate_config as validate_config
+from areal_env.api.config_load import config_from_dict, read_config_data
 from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.api.io import GenerationConfig
 from areal_env.api.service_config import ServiceConfig
@@ -484,20 +474,4 @@ def load_config(
     overrides: list[str] | None = None,
 ) -> T:
     """Load ``cls`` from an optional YAML file plus dotted overrides, then validate it."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded
-    if overrides:
-        data = _merge(data, parse_overrides(overrides))
-    cfg = _build(cls, data)
-    validate_config(cfg)
-    return cfg
+    return config_from_dict(cls, read_config_data(path, overrides))

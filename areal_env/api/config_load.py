@@ -7,8 +7,10 @@ value (an unknown key lists the valid ones). ``config.load_config`` is the entry
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
@@ -195,3 +197,24 @@ def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:
     cfg = _build(cls, data)
     validate_config(cfg)
     return cfg
+
+
+def read_config_data(
+    path: str | os.PathLike[str] | None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """The raw mapping of a YAML config file (optional) with dotted overrides merged in."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    return data

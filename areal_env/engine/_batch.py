@@ -23,7 +23,7 @@ from areal_env.engine._prefix import PrefixCache
 from areal_env.engine._request import _allowed, _length_groups, _Request
 from areal_env.engine._sampling import sample_rows
 
-logger = logging.getLogger("areal_env.engine.local")  # the engine's log name, kept on the split
+logger = logging.getLogger(__name__)
 
 _MAX_PREFILL_TOKENS = 8192  # padded prompt tokens prefilled in one forward (bounds decode stalls)
 _LOG_EVERY_S = 30.0  # progress log interval while busy

@@ -21,7 +21,7 @@ from areal_env.engine.lora import (
     split_adapter,
 )
 
-logger = logging.getLogger("areal_env.engine.local")  # the engine's log name, kept on the split
+logger = logging.getLogger(__name__)
 
 
 class _WeightUpdates:

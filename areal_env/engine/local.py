@@ -24,16 +24,13 @@ import torch
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.engine._batch import (
-    _LOG_EVERY_S,
-    _MAX_PREFILL_TOKENS,
-    _MIN_PREFIX,
     _BatchLoop,
     cache_keyword,
 )
 from areal_env.engine._json_end import JsonEnd
 from areal_env.engine._kv import BatchKV
 from areal_env.engine._prefix import PrefixCache
-from areal_env.engine._request import _allowed, _length_groups, _Request
+from areal_env.engine._request import _Request
 from areal_env.engine._sampling import RowSampling
 from areal_env.engine._weights import _WeightUpdates
 
@@ -43,18 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
-
-# Names that lived here before the engine was split (kept importable from this path).
-__all__ = [
-    "LocalEngine",
-    "_LOG_EVERY_S",
-    "_MAX_PREFILL_TOKENS",
-    "_MIN_PREFIX",
-    "_STOP_TAIL_TOKENS",
-    "_Request",
-    "_allowed",
-    "_length_groups",
-]
 
 
 class LocalEngine(_WeightUpdates, _BatchLoop):

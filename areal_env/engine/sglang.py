@@ -27,7 +27,7 @@ import httpx
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.engine.routing import ServerRouter, normalize_address
-from areal_env.engine.sglang_http import _retryable, _RetryableHTTPError, _ServerSetHTTP
+from areal_env.engine.sglang_http import _RetryableHTTPError, _ServerSetHTTP
 from areal_env.engine.sglang_wire import (
     generate_payload,
     parse_generate_output,
@@ -39,9 +39,6 @@ from areal_env.engine.sglang_wire import (
 from areal_env.http import routes
 
 logger = logging.getLogger(__name__)
-
-# ``_RetryableHTTPError`` and ``_retryable`` lived here before the split (kept importable).
-__all__ = ["SGLangEngine", "_RetryableHTTPError", "_retryable"]
 
 
 class SGLangEngine(_ServerSetHTTP):

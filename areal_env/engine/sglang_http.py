@@ -25,7 +25,7 @@ from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.engine.routing import ServerRouter
 from areal_env.http.client import response_error_message
 
-logger = logging.getLogger("areal_env.engine.sglang")  # the engine's log name, kept on the split
+logger = logging.getLogger(__name__)
 
 
 class _RetryableHTTPError(Exception):

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from areal_env.http import routes
 from areal_env.http.body import read_json, request_key
 from areal_env.http.codec import json_response
-from areal_env.http.errors import install_error_handlers
+from areal_env.http.errors import HTTPError, bad_request, install_error_handlers
 from areal_env.proxy.cache import Interaction
 from areal_env.proxy.pipeline import ProxyState
 from areal_env.proxy.protocols import anthropic, openai_chat, responses
@@ -30,7 +30,6 @@ from areal_env.proxy.protocols.common import (
     CompletionRequest,
     WireProtocol,
 )
-from areal_env.proxy.protocols.errors import ProxyError, bad_request
 from areal_env.proxy.render import RenderError
 from areal_env.proxy.sampling import validate_session_sampling
 from areal_env.proxy.sessions import Session
@@ -153,7 +152,7 @@ def _info_routes(app: FastAPI, state: ProxyState) -> None:
     @app.get(routes.MODELS + "/{model_id:path}")
     async def model(model_id: str) -> Response:
         if model_id != state.model_name:
-            raise ProxyError(404, f"model {model_id!r} not found (serving {state.model_name!r})")
+            raise HTTPError(404, f"model {model_id!r} not found (serving {state.model_name!r})")
         return json_response(
             {
                 "id": state.model_name,
@@ -221,8 +220,8 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             rid = session.cache.set_reward(float(reward), iid)
         except KeyError:
             if iid is None:
-                raise ProxyError(404, "this session has no completion to reward yet") from None
-            raise ProxyError(
+                raise HTTPError(404, "this session has no completion to reward yet") from None
+            raise HTTPError(
                 404, f"unknown interaction {iid!r} in this session", param="interaction_id"
             ) from None
         except ValueError as e:
@@ -288,7 +287,7 @@ def _apply_previous_response(session: Session, creq: CompletionRequest) -> None:
     try:
         prev = session.cache.get(prev_id)
     except KeyError:
-        raise ProxyError(
+        raise HTTPError(
             404, f"unknown previous_response_id {prev_id!r}", param="previous_response_id"
         ) from None
     new = [m for m in creq.messages if m["role"] != "system"]

@@ -29,7 +29,6 @@ import math
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -372,23 +371,13 @@ class InteractionCache:
         self,
         reward: float,
         completion_id: str | None = None,
-        *,
-        interaction_id: str | None = None,
     ) -> str:
         """Set a completion's reward (None = the last added); returns its id.
 
         Setting replaces: a client that retries ``set_reward`` after a timeout (the first call
         may have landed) gets the same reward, never twice the reward. ``KeyError`` for an
         unknown id or an empty session, ``ValueError`` for a non-finite reward.
-        ``interaction_id``: the old name of ``completion_id`` (deprecated).
         """
-        if interaction_id is not None:
-            warnings.warn(
-                "set_reward(interaction_id=...) is deprecated: use completion_id=...",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            completion_id = completion_id if completion_id is not None else interaction_id
         value = float(reward)
         if not math.isfinite(value):
             raise ValueError(f"reward must be a finite number, got {reward!r}")

@@ -21,6 +21,7 @@ from typing import Any
 from areal_env.api.config import ProxyConfig
 from areal_env.api.engine import EngineUnavailableError, InferenceEngine, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from areal_env.http.errors import HTTPError, bad_request
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
 from areal_env.proxy.protocols.common import (
     DEFAULT_TOOL_MARKERS,
@@ -32,7 +33,6 @@ from areal_env.proxy.protocols.common import (
     content_remainder,
     truncate_at_stop,
 )
-from areal_env.proxy.protocols.errors import ProxyError, bad_request
 from areal_env.proxy.render import ChatRenderer, RenderError
 from areal_env.proxy.sampling import Sampling, resolve_sampling
 from areal_env.proxy.sessions import Session, SessionRegistry
@@ -118,7 +118,7 @@ class ProxyState:
         """Find the parent, build the prompt ids (spliced when possible), check the bounds."""
         cache = session.cache
         if cache.max_interactions is not None and len(cache) >= cache.max_interactions:
-            raise ProxyError(
+            raise HTTPError(
                 413,
                 f"session holds the maximum of {cache.max_interactions} interactions",
                 code="session_limit",
@@ -127,7 +127,7 @@ class ProxyState:
         prompt_ids = self._render(session, creq, parent)
         n_prompt = len(prompt_ids)
         if n_prompt + 1 > self.max_context_len:
-            raise ProxyError(
+            raise HTTPError(
                 413,
                 f"prompt has {n_prompt} tokens; with at least one new token it exceeds the "
                 f"context length {self.max_context_len}",
@@ -135,7 +135,7 @@ class ProxyState:
                 code="context_length_exceeded",
             )
         if cache.max_tokens is not None and cache.total_tokens + n_prompt + 1 > cache.max_tokens:
-            raise ProxyError(
+            raise HTTPError(
                 413,
                 f"session would exceed its maximum of {cache.max_tokens} tokens",
                 code="session_limit",
@@ -231,7 +231,7 @@ class ProxyState:
         stop_reason = result.stop_reason
         if stop_reason == "abort":
             if not result.output_tokens:
-                raise ProxyError(503, "generation was aborted (engine stopping or paused); retry")
+                raise HTTPError(503, "generation was aborted (engine stopping or paused); retry")
             stop_reason = "length"
         parsed = self.renderer.parse_output(
             list(result.output_tokens), stop_reason, creq.tools, creq.tool_choice
@@ -289,7 +289,7 @@ class ProxyState:
         try:
             session.cache.add(it)
         except SessionLimitError as e:
-            raise ProxyError(413, str(e), code="session_limit") from None
+            raise HTTPError(413, str(e), code="session_limit") from None
         st = session.stats
         st.completions += 1
         st.spliced += bool(it.spliced)
@@ -390,7 +390,7 @@ class ProxyState:
             if done.message.get("tool_calls"):
                 yield writer.tool_calls(done.message["tool_calls"])
             yield writer.finish(done, pending_lp)
-        except ProxyError as e:
+        except HTTPError as e:
             self.counters["errors"] += 1
             yield writer.error(e)
         except asyncio.CancelledError:
@@ -398,7 +398,7 @@ class ProxyState:
         except Exception:
             logger.exception("stream failed")
             self.counters["errors"] += 1
-            yield writer.error(ProxyError(500, "internal error while streaming"))
+            yield writer.error(HTTPError(500, "internal error while streaming"))
         finally:
             prep.session.in_flight -= 1
             prep.session.touch()
@@ -431,18 +431,18 @@ def engine_errors():
     """Engine exceptions → client statuses (503 down, 413 too long, 400 invalid)."""
     try:
         yield
-    except ProxyError:
+    except HTTPError:
         raise
     except EngineUnavailableError as e:
-        raise ProxyError(
+        raise HTTPError(
             503, f"inference engine unavailable: {e}", code="engine_unavailable"
         ) from None
     except PromptTooLongError as e:
-        raise ProxyError(413, str(e), code="context_length_exceeded") from None
+        raise HTTPError(413, str(e), code="context_length_exceeded") from None
     except ValueError as e:
         raise bad_request(str(e)) from None
     except StopAsyncIteration:
-        raise ProxyError(503, "inference engine ended the stream without a result") from None
+        raise HTTPError(503, "inference engine ended the stream without a result") from None
 
 
 def _with_call_stop(stop: list[str] | None, call_stop: list[str]) -> list[str] | None:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_env.http.errors import HTTPError
 from areal_env.http.ratelimit import TokenBucket
-from areal_env.proxy.protocols.errors import ProxyError
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +121,9 @@ class SessionRegistry:
     # ---- admin -------------------------------------------------------------------------------
     def check_admin(self, key: str | None) -> None:
         if not key:
-            raise ProxyError(401, "missing admin key (Authorization: Bearer <admin key>)")
+            raise HTTPError(401, "missing admin key (Authorization: Bearer <admin key>)")
         if not secrets.compare_digest(_digest(key), self._admin_digest):
-            raise ProxyError(401, "invalid admin key")
+            raise HTTPError(401, "invalid admin key")
 
     def grant_capacity(self, n: int) -> int | None:
         """Allow ``n`` more session starts. Returns the new capacity (None = unlimited)."""
@@ -142,12 +142,12 @@ class SessionRegistry:
         self.expire()
         with self._lock:
             if self.capacity is not None and self.capacity <= 0:
-                raise ProxyError(
+                raise HTTPError(
                     429, "no capacity: the trainer has not granted a new session (grant_capacity)"
                 )
             live = sum(1 for s in self._by_id.values() if not s.ended)
             if live >= self.max_sessions:
-                raise ProxyError(429, f"too many open sessions (max_sessions={self.max_sessions})")
+                raise HTTPError(429, f"too many open sessions (max_sessions={self.max_sessions})")
             if self.capacity is not None:
                 self.capacity -= 1
             sid = "sess-" + secrets.token_hex(12)
@@ -171,15 +171,15 @@ class SessionRegistry:
     def by_key(self, key: str | None, *, allow_ended: bool = False) -> Session:
         """The session a key belongs to; 401 unknown, 410 expired, 409 ended."""
         if not key:
-            raise ProxyError(401, "missing API key (Authorization: Bearer <session key>)")
+            raise HTTPError(401, "missing API key (Authorization: Bearer <session key>)")
         digest = _digest(key)
         session = self._by_key.get(digest)
         if session is None:
             if digest in self._expired:
-                raise ProxyError(410, "session expired (idle longer than the TTL)", code="expired")
-            raise ProxyError(401, "invalid API key", code="invalid_api_key")
+                raise HTTPError(410, "session expired (idle longer than the TTL)", code="expired")
+            raise HTTPError(401, "invalid API key", code="invalid_api_key")
         if session.ended and not allow_ended:
-            raise ProxyError(409, f"session {session.id} has ended", code="session_ended")
+            raise HTTPError(409, f"session {session.id} has ended", code="session_ended")
         session.touch()
         return session
 
@@ -193,7 +193,7 @@ class SessionRegistry:
             if wait > 0:
                 self.total_rate_limited += 1
                 rps, burst = self.rate_limit or (0.0, 0)
-                raise ProxyError(
+                raise HTTPError(
                     429,
                     f"rate limit: a session key may make {rps:g} model requests per second "
                     f"(burst {burst}); retry after {wait:.2f}s",
@@ -205,13 +205,13 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session:
         session = self._by_id.get(session_id)
         if session is None:
-            raise ProxyError(404, f"unknown session {session_id!r}", param="session_id")
+            raise HTTPError(404, f"unknown session {session_id!r}", param="session_id")
         return session
 
     def end(self, session: Session) -> None:
         with self._lock:
             if session.ended:
-                raise ProxyError(409, f"session {session.id} has already ended")
+                raise HTTPError(409, f"session {session.id} has already ended")
             session.ended = True
             session.touch()
 

@@ -2,6 +2,6 @@
 
 Server side: ``gateway`` (public endpoint, auth, routing), ``source`` (trajectories → batches),
 ``server`` (``areal-env serve-training``), ``inference`` (serving a trained checkpoint).
-Client side (light, no torch): ``client`` (``AgentSession``, ``AgentRunner``).
-Nothing is imported here so that ``areal_env.service.client`` stays light.
+Client side (light, no torch): the ``areal_env_client`` package (``AgentSession``,
+``AgentRunner``), shipped in ``client/``. Nothing is imported here.
 """

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from areal_env_client import SESSION_HEADER
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -23,10 +24,9 @@ from areal_env.http import routes
 from areal_env.http.body import read_body
 from areal_env.service.auth import UserKey
 from areal_env.service.backends import Backend
-from areal_env.service.client import SESSION_HEADER
 from areal_env.service.sessions import GatewaySession, ServiceError, SessionBook
 
-logger = logging.getLogger("areal_env.service.gateway")
+logger = logging.getLogger(__name__)
 
 _DROP_REQUEST_HEADERS = {
     "host",

@@ -33,31 +33,13 @@ from areal_env.http.net import bind_socket, url_host
 from areal_env.http.runner import ServerThread
 from areal_env.service.auth import QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, NoBackendError
-from areal_env.service.forwarding import Forwarder, usage_tokens
+from areal_env.service.forwarding import Forwarder
 from areal_env.service.gateway_routes import build_app
 from areal_env.service.sessions import (
-    PATH_SESSION_HEADER,
-    RESTARTED,
     GatewaySession,
     ServiceError,
-    SessionBook,
-    SessionPathApp,
 )
 from areal_env.service.store import SessionRecord
-
-__all__ = [
-    "PATH_SESSION_HEADER",
-    "RESTARTED",
-    "Gateway",
-    "GatewayServer",
-    "GatewaySession",
-    "PortInUseError",
-    "ServiceError",
-    "SessionBook",
-    "SessionPathApp",
-    "check_port",
-    "usage_tokens",
-]
 
 logger = logging.getLogger(__name__)
 

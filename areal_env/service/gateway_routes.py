@@ -21,7 +21,7 @@ from areal_env.service.sessions import ServiceError
 if TYPE_CHECKING:
     from areal_env.service.gateway import Gateway
 
-logger = logging.getLogger("areal_env.service.gateway")
+logger = logging.getLogger(__name__)
 
 
 def build_app(gw: Gateway) -> FastAPI:

@@ -22,13 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from areal_env.api.config import (
-    ConfigError,
-    ExperimentConfig,
-    config_from_dict,
-    load_config,
-    parse_overrides,
-)
+from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.config_load import config_from_dict, parse_overrides
 from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from areal_env_client import SESSION_HEADER
 from fastapi import Request
 
 from areal_env.api.service_config import ServiceConfig, is_loopback
@@ -24,10 +25,9 @@ from areal_env.http.body import request_key
 from areal_env.http.errors import HTTPError
 from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, BackendPool
-from areal_env.service.client import SESSION_HEADER
 from areal_env.service.store import ServiceStore, open_store
 
-logger = logging.getLogger("areal_env.service.gateway")
+logger = logging.getLogger(__name__)
 
 _TOMBSTONE_SECONDS = 600.0
 PATH_SESSION_HEADER = "x-areal-path-session"

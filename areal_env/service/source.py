@@ -433,7 +433,6 @@ class ExternalTrajectorySource:
 
     async def rollout_batch(
         self,
-        items: list[dict] | None = None,
         *,
         trainer_version: int,
         timeout: float | None = None,
@@ -445,8 +444,7 @@ class ExternalTrajectorySource:
         ``step`` is the trainer step the batch is for (default: one past the last batch); with a
         store the trajectories are marked consumed at it before they are returned.
 
-        ``items`` is accepted for signature compatibility with ``RolloutExecutor`` and ignored:
-        the data lives with the external agents. Trajectories generated on weights more than
+        The data lives with the external agents. Trajectories generated on weights more than
         ``max_head_offpolicyness`` versions behind ``trainer_version`` are dropped (counted).
         ``timeout`` (seconds) returns ``(None, stats)`` when not enough groups arrived.
         """

@@ -8,7 +8,7 @@ Masks come only from ``attention_mask`` / ``loss_mask``, never from pad ids (for
 token is also the eos token, which the model does generate and must be trained on).
 
 The loss math lives in ``actor_math``, the LoRA / checkpointing / FSDP-sync helpers in
-``actor_lora``; their public names are re-exported here.
+``actor_lora``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from areal_env.trainer.actor_math import (
     ppo_token_loss,
     resolve_device,
     resolve_dtype,
-    scored_logits,
     scored_mask,
     summarize_update,
     token_logprobs,
@@ -566,15 +565,3 @@ class PPOActor:
         pcfg = self.model.peft_config["default"].to_dict()
         pcfg["base_model_name_or_path"] = self.model_path
         return save_adapter_folder(folder, adapter, pcfg)
-
-
-__all__ = [
-    "PPOActor",
-    "MicroBatchPlan",
-    "PreparedBatch",
-    "scored_logits",
-    "ppo_token_loss",
-    "token_logprobs",
-    "micro_batches",
-    "scored_mask",
-]

@@ -10,7 +10,6 @@ epoch, data position, RNG states, version).
 
 Written atomically — into a temporary folder renamed into place, then the ``latest`` pointer file
 replaced — so a run killed mid-save leaves the previous checkpoint intact and never a half one.
-Older checkpoints (``model/`` + ``optimizer.pt``, no ``state/``) still load.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
-OPTIM_FILE = "optimizer.pt"
 MODEL_DIR = "model"
 STATE_DIR = "state"
 
@@ -220,40 +218,23 @@ def restore_checkpoint(
     Collective under FSDP (every rank calls it). A ``state/`` folder written at any world size
     loads at any other.
     """
-    if (ckpt / STATE_DIR).is_dir():
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    if not (ckpt / STATE_DIR).is_dir():
+        raise RuntimeError(
+            f"checkpoint {ckpt} has no {STATE_DIR}/ folder (written by an areal-env before 0.1.0, or "
+            "half-deleted): start the run in a new trial_name, or remove that step folder"
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        msd, osd = _state_dicts(model, optimizer)
-        bundle = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
-        dcp.load(bundle, checkpoint_id=str(ckpt / STATE_DIR), no_dist=_no_dist())
-        if optimizer is not None:
-            set_state_dict(
-                model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"]
-            )
-        else:
-            set_model_state_dict(model, bundle["model"])
+    msd, osd = _state_dicts(model, optimizer)
+    bundle = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
+    dcp.load(bundle, checkpoint_id=str(ckpt / STATE_DIR), no_dist=_no_dist())
+    if optimizer is not None:
+        set_state_dict(
+            model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"]
+        )
     else:
-        _restore_legacy(ckpt, model=model, optimizer=optimizer)
+        set_model_state_dict(model, bundle["model"])
     if (ckpt / RNG_FILE).is_file():
         set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=False))
     return load_trainer_state(ckpt)
-
-
-def _restore_legacy(ckpt: Path, *, model: Any, optimizer: torch.optim.Optimizer | None) -> None:
-    """A checkpoint from before sharded saving: an HF folder and ``optimizer.pt``."""
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted((ckpt / MODEL_DIR).glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # Tied weights (e.g. lm_head = embed_tokens) are saved once; anything else missing is an error.
-    tied = {k for k in missing if "lm_head" in k}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(
-            f"checkpoint {ckpt} does not match the model: missing={sorted(set(missing) - tied)[:5]} "
-            f"unexpected={sorted(unexpected)[:5]}"
-        )
-    if optimizer is not None and (ckpt / OPTIM_FILE).is_file():
-        optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=False))

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = dict(cfg.workflow_kwargs)
     with contextlib.ExitStack() as stack:
         if args.env_tools:
-            from areal_env.infra.aenv.launcher import AenvServerLauncher
+            from areal_env.envs.aenv.launcher import AenvServerLauncher
 
             servers = stack.enter_context(
                 AenvServerLauncher(args.env_tools, log_dir=cfg.run_dir / "aenv-logs")

@@ -36,7 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areal_env.api.config import ExperimentConfig, validate_config
+from areal_env.api.config import ExperimentConfig
+from areal_env.api.config_load import validate_config
 from areal_env.api.engine import InferenceEngine
 from areal_env.api.source import BatchSource, SourceClosedError, TensorBatch
 from areal_env.proxy.server import ProxyServer
@@ -61,7 +62,7 @@ class PPOTrainer(TrainerSetup):
 
     ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
     workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
-    source is closed). ``executor`` is its former name. ``engine``: an initialized engine to
+    source is closed). ``engine``: an initialized engine to
     generate with and push weights to; the caller keeps ownership. ``on_checkpoint(step,
     path)``: called (rank 0) after each checkpoint is written, e.g. to mark the trajectories
     trained so far as durable (``areal-env serve-training`` commits its store there).
@@ -75,13 +76,11 @@ class PPOTrainer(TrainerSetup):
         *,
         source: BatchSource | None = None,
         engine: InferenceEngine | None = None,
-        executor: BatchSource | None = None,
         on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
         validate_config(config)
         memory.tune_allocator()  # before the models load: see memory.tune_allocator
         self.config = config
-        source = source if source is not None else executor
         self.external = source is not None
         self.data: DataLoader | None = None
         if not self.external:

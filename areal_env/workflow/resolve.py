@@ -23,12 +23,10 @@ import logging
 from typing import Any
 
 from areal_env.api.config import RolloutConfig
-from areal_env.api.imports import FILE_MODULES, import_string, load_file_module
+from areal_env.api.imports import import_string
 from areal_env.api.workflow import RolloutWorkflow
 from areal_env.workflow.grouped import GroupedRolloutWorkflow
 from areal_env.workflow.proxy_workflow import OpenAIProxyWorkflow
-
-__all__ = ["FILE_MODULES", "import_string", "load_file_module", "resolve_workflow"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
 """areal-env-client: the agent side of the areal-env any-agent training service.
 
 Depends on ``httpx`` only (``tqdm`` shows a progress bar when installed), so it installs next
-to any agent stack without constraining it. Inside the full ``areal-env`` package the same API
-is ``areal_env.service.client``.
+to any agent stack without constraining it. The full ``areal-env`` package installs it too.
 """
 
 from areal_env_client.hooks import SESSION_HEADER, SESSION_PATH, install_session_hook

@@ -26,7 +26,7 @@ SESSION_PATH = "/s/"
 """Session-scoped URLs: ``{service}/s/{session_id}/v1`` names the session in the path."""
 
 # (service URL, session id) pairs active in the current context, innermost last.
-_ACTIVE: contextvars.ContextVar[tuple[tuple[httpx.URL, str], ...]] = contextvars.ContextVar(
+ACTIVE_SESSIONS: contextvars.ContextVar[tuple[tuple[httpx.URL, str], ...]] = contextvars.ContextVar(
     "areal_env_active_sessions", default=()
 )
 _lock = threading.Lock()
@@ -49,7 +49,7 @@ def _matches(url: Any, service: httpx.URL) -> bool:
 
 def session_for(url: Any) -> str | None:
     """The innermost active session (this context) whose service ``url`` points at."""
-    for service, session_id in reversed(_ACTIVE.get()):
+    for service, session_id in reversed(ACTIVE_SESSIONS.get()):
         if _matches(url, service):
             return session_id
     return None
@@ -57,7 +57,7 @@ def session_for(url: Any) -> str | None:
 
 def _tag(request: Any) -> None:
     """httpx / requests: add the header unless the request names a session already."""
-    if not _ACTIVE.get() or SESSION_HEADER in request.headers:
+    if not ACTIVE_SESSIONS.get() or SESSION_HEADER in request.headers:
         return
     session_id = session_for(request.url)
     if session_id is not None:
@@ -94,7 +94,7 @@ def _wrap_aiohttp(module: Any) -> None:
 
     @functools.wraps(original)
     async def _request(self: Any, method: str, str_or_url: Any, *a: Any, **k: Any) -> Any:
-        if _ACTIVE.get():
+        if ACTIVE_SESSIONS.get():
             build = getattr(self, "_build_url", None)  # applies the session's base_url
             try:
                 target = str(build(str_or_url)) if build else str(str_or_url)

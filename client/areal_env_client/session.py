@@ -28,7 +28,12 @@ from typing import Any
 
 import httpx
 
-from areal_env_client.hooks import _ACTIVE, SESSION_HEADER, SESSION_PATH, install_session_hook
+from areal_env_client.hooks import (
+    ACTIVE_SESSIONS,
+    SESSION_HEADER,
+    SESSION_PATH,
+    install_session_hook,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +223,8 @@ class AgentSession:
 
     def _activate(self, session_id: str) -> None:
         self.session_id = session_id
-        active = _ACTIVE.get() + ((httpx.URL(self.service_url), session_id),)
-        self._tokens = (_ACTIVE.set(active), _CURRENT.set(self))
+        active = ACTIVE_SESSIONS.get() + ((httpx.URL(self.service_url), session_id),)
+        self._tokens = (ACTIVE_SESSIONS.set(active), _CURRENT.set(self))
         if self.set_env:
             with _env_lock:
                 if not _env_stack:
@@ -236,10 +241,12 @@ class AgentSession:
     def _deactivate(self) -> None:
         if self._tokens is not None:
             try:
-                _ACTIVE.reset(self._tokens[0])
+                ACTIVE_SESSIONS.reset(self._tokens[0])
                 _CURRENT.reset(self._tokens[1])
             except ValueError:  # left from another context: drop our entry instead
-                _ACTIVE.set(tuple(e for e in _ACTIVE.get() if e[1] != self.session_id))
+                ACTIVE_SESSIONS.set(
+                    tuple(e for e in ACTIVE_SESSIONS.get() if e[1] != self.session_id)
+                )
             self._tokens = None
         if self.set_env:
             with _env_lock:

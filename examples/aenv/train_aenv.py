@@ -58,7 +58,7 @@ def run(argv: list[str] | None = None) -> dict:
     configure_console_logging(quiet=("mcp", "aenv", "uvicorn.access"))
 
     from areal_env.api.config import ExperimentConfig, load_config
-    from areal_env.infra.aenv.launcher import AenvServerLauncher
+    from areal_env.envs.aenv.launcher import AenvServerLauncher
     from areal_env.trainer.ppo import PPOTrainer
 
     overrides = list(args.overrides)

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from areal_env.infra.aenv import AenvEnvironmentAdapter, AenvToolCallError
-from areal_env.infra.episode import EnvironmentPool
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.envs.base import EnvToolCallError
+from areal_env.envs.episode import EnvironmentPool
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +41,6 @@ async def test_one_server_dies_others_unaffected(aenv_server_factory, aenv_confi
     async with AenvEnvironmentAdapter(cfgs[0]) as a, AenvEnvironmentAdapter(cfgs[1]) as b:
         assert (await a.call_tool("add", {"a": 1, "b": 1})).text == "2"
         launcher.stop_server(0, kill=True)
-        with pytest.raises(AenvToolCallError):
+        with pytest.raises(EnvToolCallError):
             await a.call_tool("add", {"a": 1, "b": 1})
         assert (await b.call_tool("multiply", {"a": 3, "b": 4})).text == "12"

@@ -21,7 +21,7 @@ TRAIN = [json.loads(x) for x in (ROOT / "examples/aenv/train.jsonl").read_text()
 
 # Records every is_eval it is called with, then behaves as AenvAgent.
 AGENT = """
-from areal_env.aenv_agent import AenvAgent
+from areal_env.envs.agent import AenvAgent
 
 SEEN = []
 
@@ -63,10 +63,10 @@ def test_trainer_evaluates_before_and_after_and_cli_evaluates_checkpoints(
     tmp_path, model_path, aenv_server, capsys
 ):
     from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.api.imports import load_file_module
     from areal_env.trainer.eval import read_eval_log, read_eval_summary
     from areal_env.trainer.eval_cli import main as eval_main
     from areal_env.trainer.ppo import PPOTrainer
-    from areal_env.workflow.resolve import load_file_module
 
     config = _write_config(tmp_path, model_path, aenv_server.url)
     cfg = load_config(ExperimentConfig, config)

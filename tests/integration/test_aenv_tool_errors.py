@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from areal_env.aenv_agent import AenvAgent
 from areal_env.api.config import RolloutConfig
-from areal_env.infra.aenv import AenvConfig, AenvEnvironmentAdapter
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.agent import AenvAgent
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

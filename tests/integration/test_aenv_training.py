@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_env.aenv_agent import AenvAgent
+from areal_env.envs.agent import AenvAgent
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -22,7 +22,8 @@ ITEMS = [
 
 
 def _config(tmp_path, model_path, *, batch_size=1, n_samples=2):
-    from areal_env.api.config import ExperimentConfig, config_from_dict
+    from areal_env.api.config import ExperimentConfig
+    from areal_env.api.config_load import config_from_dict
 
     return config_from_dict(
         ExperimentConfig,
@@ -109,7 +110,7 @@ class _KillingAgent(AenvAgent):
         if data.get("kill"):
             launcher, index = self.doomed
             cfg = self.config.new(aenv_url=launcher.urls[index], max_retries=1)
-            from areal_env.infra.episode import EnvironmentPool
+            from areal_env.envs.episode import EnvironmentPool
 
             return EnvironmentPool(cfg).adapter()
         return super().open_environment(data)

@@ -11,8 +11,7 @@ import json
 import sys
 
 import openai
-
-from areal_env.service.client import AgentRunner
+from areal_env_client import AgentRunner
 
 
 async def agent(item: dict) -> float:

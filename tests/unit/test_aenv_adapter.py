@@ -11,16 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from areal_env.infra.aenv import (
-    AenvCallError,
-    AenvConfig,
-    AenvEnvironmentAdapter,
-    AenvError,
-    AenvToolCallError,
-    AenvUnavailableError,
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter, is_retry_safe
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.base import (
+    EnvCallError,
+    EnvError,
+    EnvToolCallError,
+    EnvUnavailableError,
     reward_value,
 )
-from areal_env.infra.aenv.adapter import is_retry_safe
 
 COUNTER_ENV = Path(__file__).with_name("aenv_counter_env.py")
 
@@ -80,7 +79,7 @@ async def test_dead_server_retried_then_clear_error(counter_server, caplog):
         assert (await env.call_tool("bump", {})).text == "1"
         counter_server.stop_server(0, kill=True)
         t0 = time.monotonic()
-        with pytest.raises(AenvToolCallError) as err:
+        with pytest.raises(EnvToolCallError) as err:
             await env.call_tool("bump", {})
         assert time.monotonic() - t0 < 5  # noticed fast, not after the MCP request timeout
         e = err.value
@@ -116,7 +115,7 @@ async def test_server_coming_back_during_retries(counter_server):
 
 async def test_timeout_is_not_retried(counter_server):
     async with AenvEnvironmentAdapter(_cfg(counter_server, max_retries=3)) as env:
-        with pytest.raises(AenvToolCallError) as err:
+        with pytest.raises(EnvToolCallError) as err:
             await env.call_tool("slow", {"seconds": 2.0}, timeout=0.5)
         assert err.value.attempts == 1
         await asyncio.sleep(2.0)
@@ -155,7 +154,7 @@ async def test_reward_plumbing(aenv_config, counter_server):
         assert reward_value(out) == 0.0
     async with AenvEnvironmentAdapter(_cfg(counter_server)) as env:
         assert reward_value(await env.call_reward({"value": 0.75})) == 0.75
-        with pytest.raises(AenvCallError, match=r"(?s)reward.*1 attempt.*negative reward"):
+        with pytest.raises(EnvCallError, match=r"(?s)reward.*1 attempt.*negative reward"):
             await env.call_reward({"value": -1})  # a reward bug is not retried
 
 
@@ -170,11 +169,11 @@ async def test_not_ready_fails_within_startup_timeout():
     cfg = AenvConfig(env_name="x@1", aenv_url="http://127.0.0.249", startup_timeout=1.0)
     env = AenvEnvironmentAdapter(cfg)
     t0 = time.monotonic()
-    with pytest.raises(AenvUnavailableError, match="not ready after 1.0s"):
+    with pytest.raises(EnvUnavailableError, match="not ready after 1.0s"):
         await env.initialize()
     assert time.monotonic() - t0 < 5
     assert not env.initialized and env._session is None  # released
-    with pytest.raises(AenvError, match="not initialized"):
+    with pytest.raises(EnvError, match="not initialized"):
         await env.call_tool("add", {})
 
 

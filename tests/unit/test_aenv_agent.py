@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_env.aenv_agent import AenvAgent, ToolErrorRaised
 from areal_env.api.io import GenerationConfig
-from areal_env.infra.aenv import AenvEnvironmentAdapter, AenvToolCallError
-from areal_env.infra.episode import (
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.envs.agent import AenvAgent, ToolErrorRaised
+from areal_env.envs.base import EnvToolCallError
+from areal_env.envs.episode import (
     EnvironmentPool,
     initial_messages,
     make_config,
@@ -132,7 +133,7 @@ async def test_transport_failure_propagates(aenv_server_factory, aenv_config):
     async with AenvEnvironmentAdapter(cfg) as env:
         _, name_map = await env.openai_tools()
         launcher.stop_server(0, kill=True)
-        with pytest.raises(AenvToolCallError, match="'calculator@1.0.0/add'.*2 attempt"):
+        with pytest.raises(EnvToolCallError, match="'calculator@1.0.0/add'.*2 attempt"):
             await agent._run_tool(env, name_map, _call("add", '{"a": 1, "b": 2}'), [])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_env.infra.aenv import AenvConfig, AenvConfigError, redact_url
+from areal_env.envs.aenv.config import AenvConfig, AenvConfigError, redact_url
 
 
 def test_defaults_are_valid():

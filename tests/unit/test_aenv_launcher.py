@@ -7,8 +7,8 @@ import socket
 import httpx
 import pytest
 
-from areal_env.infra.aenv import launcher as launcher_module
-from areal_env.infra.aenv.launcher import AenvServerLauncher, free_loopback_hosts, port_in_use
+from areal_env.envs.aenv import launcher as launcher_module
+from areal_env.envs.aenv.launcher import AenvServerLauncher, free_loopback_hosts, port_in_use
 
 
 def test_servers_on_distinct_addresses_with_logs_and_clean_stop(tmp_path, aenv_tools_path):
@@ -66,7 +66,7 @@ def test_servers_run_from_their_own_interpreter(tmp_path, aenv_tools_path, monke
     import importlib.util
     import sys
 
-    from areal_env.infra.aenv.launcher import (
+    from areal_env.envs.aenv.launcher import (
         AENV_PYTHON_ENV,
         AenvPythonError,
         ensure_aenv_python,

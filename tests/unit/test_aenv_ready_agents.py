@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_env.workflow.resolve import import_string
+from areal_env.api.imports import import_string
 
 AGENTS = Path(__file__).resolve().parents[2] / "agents"
 
@@ -70,7 +70,7 @@ async def test_ready_agents_refuse_bad_options(aenv_config):
 
 
 def test_runner_maps_named_tool_choice_for_the_sdk():
-    from areal_env.workflow.resolve import load_file_module
+    from areal_env.api.imports import load_file_module
 
     mod = load_file_module(AGENTS / "openai_agents_runner.py")
     assert mod._sdk_tool_choice({"type": "function", "function": {"name": "add"}}) == "add"

@@ -17,7 +17,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from areal_env.infra.aenv import AenvConfig, AenvEnvironmentAdapter, AenvUnavailableError
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.base import EnvUnavailableError
 
 
 class ControlPlane:
@@ -153,6 +155,6 @@ async def test_instance_deleted_when_episode_is_cancelled(service):
 
 async def test_refused_instance_is_a_clear_error(service, caplog):
     service.fail_create = True
-    with pytest.raises(AenvUnavailableError, match="quota exceeded"):
+    with pytest.raises(EnvUnavailableError, match="quota exceeded"):
         await AenvEnvironmentAdapter(_cfg(service)).initialize()
     assert "sk-test-123" not in caplog.text

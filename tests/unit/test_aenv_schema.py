@@ -8,8 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_env.infra.aenv import ToolArgumentsError, normalize_openai_tools, parse_tool_arguments
-from areal_env.infra.schema import VALID_NAME
+from areal_env.envs.schema import (
+    VALID_NAME,
+    ToolArgumentsError,
+    normalize_openai_tools,
+    parse_tool_arguments,
+)
 
 
 def _tool(name, schema=None, description="d"):

@@ -192,9 +192,6 @@ def test_set_reward_last_replaces_and_errors():
     c.set_reward(0.5, b.id)  # a retried call: set, never added
     assert b.reward == 0.5 and a.reward is None
     assert c.set_reward(0.75, completion_id=a.id) == a.id and a.reward == 0.75
-    with pytest.warns(DeprecationWarning, match="completion_id"):
-        c.set_reward(0.5, interaction_id=a.id)  # the old keyword, deprecated
-    assert a.reward == 0.5
     with pytest.raises(KeyError):
         c.set_reward(1.0, "unknown")
     with pytest.raises(ValueError):

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal_env.api.config import (
-    ConfigError,
-    ExperimentConfig,
-    config_from_dict,
-    load_config,
-    parse_overrides,
-)
+from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.config_load import config_from_dict, parse_overrides
 from areal_env.api.io import GenerationConfig
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_env.api.config import ExperimentConfig, config_from_dict
+from areal_env.api.config import ExperimentConfig
+from areal_env.api.config_load import config_from_dict
 from areal_env.launch.slurm import sbatch_script
 from tests.distributed.run import free_port, run_worker
 

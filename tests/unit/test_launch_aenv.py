@@ -36,7 +36,7 @@ ENV_REWARDS = {0.0, 0.1, 0.5, 1.0}  # the grades examples/aenv/env_tools.py:rewa
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_launch_aenv_agent_two_ranks_two_servers(tmp_path):
-    from areal_env.infra.aenv.launcher import AenvServerLauncher
+    from areal_env.envs.aenv.launcher import AenvServerLauncher
 
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ITEMS))
     with AenvServerLauncher(TOOLS, num_servers=1, first_host=90, log_dir=tmp_path / "aenv") as env:

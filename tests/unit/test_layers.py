@@ -1,8 +1,8 @@
-"""The package's shape: layers, no import cycles, module and function sizes.
+"""The package's shape: layers and no import cycles. (Size is judged by reading, not by a line
+counter: caps on lines produced classes split by ruler and glued by inheritance.)
 
 Layers (a module imports only from its own layer or below, also inside functions):
-``api, http < engine < proxy < envs (infra, aenv_agent) < workflow < trainer < service,
-launch, cli, demo``. Imports under ``if TYPE_CHECKING:`` and in a package's lazy
+``api, http < engine < proxy, envs < workflow < trainer < service, launch, view, cli, demo``. Imports under ``if TYPE_CHECKING:`` and in a package's lazy
 ``__getattr__`` do not count (they never run at import time / are the public facade).
 """
 
@@ -14,26 +14,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "areal_env"
-MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 100
-# Modules being rewritten by other open issues right now; each entry names the issue that
-# splits it. Remove the entry when that lands: the test then holds the module to the limits.
-PENDING_SPLIT: dict[str, str] = {}
 
 LAYERS = {
     "api": 0,
     "http": 0,
     "engine": 1,
     "proxy": 2,
-    "infra": 3,
-    "aenv_agent": 3,
-    "workflow": 4,
-    "trainer": 5,
-    "service": 6,
-    "launch": 6,
-    "cli": 6,
-    "demo": 6,
-    "__init__": 7,
+    "envs": 2,
+    "workflow": 3,
+    "trainer": 4,
+    "service": 5,
+    "launch": 5,
+    "view": 5,
+    "cli": 5,
+    "demo": 5,
+    "__init__": 6,
 }
 
 
@@ -136,23 +131,3 @@ def test_no_import_cycles(graph):
         if m not in state:
             dfs(m)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
-
-
-def test_module_and_function_sizes():
-    too_long = []
-    for module, path in _modules().items():
-        if module in PENDING_SPLIT:
-            continue
-        text = path.read_text()
-        n = text.count("\n")
-        if n > MAX_MODULE_LINES:
-            too_long.append(f"{module}: {n} lines (max {MAX_MODULE_LINES})")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append(
-                        f"{module}.{node.name} (line {node.lineno}): {length} lines "
-                        f"(max {MAX_FUNCTION_LINES})"
-                    )
-    assert not too_long, "\n".join(too_long)

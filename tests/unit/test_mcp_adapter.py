@@ -18,9 +18,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from areal_env.infra import EnvServerDiedError, EnvToolCallError, ToolEnvironment
-from areal_env.infra.base import render_tool_output
-from areal_env.infra.mcp import McpConfig, McpConfigError, McpEnvironmentAdapter, StdioServerPool
+from areal_env.envs.base import (
+    EnvServerDiedError,
+    EnvToolCallError,
+    ToolEnvironment,
+    render_tool_output,
+)
+from areal_env.envs.mcp.adapter import McpEnvironmentAdapter, StdioServerPool
+from areal_env.envs.mcp.config import McpConfig, McpConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TEST_SERVER = [str(FIXTURES / "mcp_server.py")]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_env.aenv_agent import AenvAgent
 from areal_env.api.config import RolloutConfig
-from areal_env.workflow.resolve import import_string, load_file_module
+from areal_env.api.imports import import_string, load_file_module
+from areal_env.envs.agent import AenvAgent
 from tests.fixtures.proxy import export_session, open_session
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_env.workflow.resolve import import_string, load_file_module
+from areal_env.api.imports import import_string, load_file_module
 from tests.fixtures.proxy import open_session
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from areal_env.api.config import ProxyConfig, config_from_dict
+from areal_env.api.config import ProxyConfig
+from areal_env.api.config_load import config_from_dict
 from areal_env.api.errors import ConfigError
 from areal_env.engine.testing import ScriptedEngine
 from areal_env.http.ratelimit import TokenBucket

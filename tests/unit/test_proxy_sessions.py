@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
+from areal_env.http.errors import HTTPError
 from areal_env.proxy.client import OpenAIProxyClient, ProxyClientError, grant_capacity
 from areal_env.proxy.protocols.common import TextStream, truncate_at_stop
-from areal_env.proxy.protocols.errors import ProxyError
 from areal_env.proxy.sessions import SessionRegistry
 from tests.fixtures.proxy import export_session
 
@@ -25,14 +25,14 @@ def test_registry_keys_capacity_and_expiry():
     reg = _registry(initial_capacity=1, ttl=10.0, ended_ttl=1.0)
     reg.check_admin("admin-key-123")
     for bad in (None, "", "admin-key-124"):
-        with pytest.raises(ProxyError) as e:
+        with pytest.raises(HTTPError) as e:
             reg.check_admin(bad)
         assert e.value.status == 401
     s, key = reg.start(task_id="t")
     assert key.startswith("sk-areal-") and len(key) > 30
     assert key not in repr(s) and key.encode() not in repr(reg.__dict__).encode()
     assert reg.by_key(key) is s
-    with pytest.raises(ProxyError) as e:
+    with pytest.raises(HTTPError) as e:
         reg.start()
     assert e.value.status == 429
     assert reg.grant_capacity(2) == 2
@@ -40,7 +40,7 @@ def test_registry_keys_capacity_and_expiry():
     assert key2 != key and s2.id != s.id
     # end → 409 for normal use, still reachable with allow_ended
     reg.end(s2)
-    with pytest.raises(ProxyError) as e:
+    with pytest.raises(HTTPError) as e:
         reg.by_key(key2)
     assert e.value.status == 409
     assert reg.by_key(key2, allow_ended=True) is s2
@@ -51,10 +51,10 @@ def test_registry_keys_capacity_and_expiry():
     assert reg.expire(now + 30) == 0  # s is busy (30 s < 4 x ttl)
     assert reg.expire(now + 41) == 1  # "in flight" for over 4 x ttl: a leaked counter, dropped
     for k in (key, key2):
-        with pytest.raises(ProxyError) as e:
+        with pytest.raises(HTTPError) as e:
             reg.by_key(k)
         assert e.value.status == 410
-    with pytest.raises(ProxyError) as e:
+    with pytest.raises(HTTPError) as e:
         reg.by_key("sk-areal-unknown")
     assert e.value.status == 401
 
@@ -63,7 +63,7 @@ def test_registry_max_sessions():
     reg = _registry(max_sessions=2)
     reg.start()
     reg.start()
-    with pytest.raises(ProxyError) as e:
+    with pytest.raises(HTTPError) as e:
         reg.start()
     assert e.value.status == 429
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from areal_env_client import SESSION_HEADER
 
-from areal_env.service.client import SESSION_HEADER
 from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 
 ALICE, BOB = SERVICE_USER_KEYS

@@ -8,18 +8,19 @@ import sys
 
 import httpx
 import pytest
-
-from areal_env.api.config import ConfigError, config_from_dict
-from areal_env.api.service_config import ServiceConfig
-from areal_env.service.auth import KeyStore, QuotaExceededError
-from areal_env.service.client import (
-    _ACTIVE,
+from areal_env_client import (
     SESSION_HEADER,
     AgentServiceError,
     default_service_url,
     install_session_hook,
     is_transient,
 )
+from areal_env_client.hooks import ACTIVE_SESSIONS
+
+from areal_env.api.config import ConfigError
+from areal_env.api.config_load import config_from_dict
+from areal_env.api.service_config import ServiceConfig
+from areal_env.service.auth import KeyStore, QuotaExceededError
 from areal_env.service.gateway import Gateway
 from areal_env.service.server import load_service_config
 
@@ -84,7 +85,7 @@ async def test_session_header_only_for_matching_service_and_context():
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
 
         async def in_session(sid: str) -> None:
-            _ACTIVE.set(((httpx.URL("http://svc:1"), sid),))
+            ACTIVE_SESSIONS.set(((httpx.URL("http://svc:1"), sid),))
             await asyncio.sleep(0)
             await client.get("http://svc:1/v1/models")
             await client.get("http://other:1/v1/models")
@@ -99,7 +100,7 @@ async def test_session_header_only_for_matching_service_and_context():
 
 def test_client_module_is_light():
     code = (
-        "import sys, areal_env.service.client as c; "
+        "import sys, areal_env_client as c; "
         "bad = [m for m in ('torch', 'transformers', 'fastapi', 'areal_env.proxy', "
         "'areal_env.engine') if m in sys.modules]; print(bad)"
     )
@@ -159,7 +160,7 @@ def test_a_finished_trial_and_a_busy_port_are_refused_before_the_model_loads(tmp
 
 
 def test_usage_is_read_from_json_bodies_and_every_stream_shape():
-    from areal_env.service.gateway import usage_tokens
+    from areal_env.service.forwarding import usage_tokens
 
     body = b'{"id": "x", "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}'
     assert usage_tokens("application/json", body, body, whole=True) == 10
@@ -186,7 +187,7 @@ def test_usage_is_read_from_json_bodies_and_every_stream_shape():
 
 
 def test_session_urls_are_stripped_back_to_the_service():
-    from areal_env.service.client import strip_session_path
+    from areal_env_client import strip_session_path
 
     assert strip_session_path("http://h:1/s/sess-abc/v1") == "http://h:1"
     assert strip_session_path("http://h:1/prefix/v1/") == "http://h:1/prefix"

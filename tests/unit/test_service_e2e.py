@@ -1,6 +1,6 @@
 """End to end: `areal-env serve-training` trained by two external agent processes, then served.
 
-The agents use only ``areal_env.service.client`` and the official ``openai`` SDK, over loopback;
+The agents use only ``areal_env_client`` and the official ``openai`` SDK, over loopback;
 GRPO groups form across the two processes (same ``group_id`` from each).
 """
 

@@ -11,9 +11,9 @@ import aiohttp
 import httpx
 import openai
 import pytest
+from areal_env_client import SESSION_HEADER, AgentSession
 
-from areal_env.service.client import SESSION_HEADER, AgentSession
-from areal_env.service.gateway import RESTARTED
+from areal_env.service.sessions import RESTARTED
 from areal_env.service.store import open_store
 from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 

@@ -8,8 +8,8 @@ import subprocess
 import httpx
 import openai
 import pytest
+from areal_env_client import SESSION_HEADER, AgentServiceError, AgentSession
 
-from areal_env.service.client import SESSION_HEADER, AgentServiceError, AgentSession
 from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 
 ALICE, BOB = SERVICE_USER_KEYS
@@ -255,7 +255,7 @@ async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack
 @pytest.mark.slow
 async def test_runner_retries_transient_failures(engine, tokenizer):
     """Quota 429s are transient: the runner backs off and every item still completes."""
-    from areal_env.service.client import AgentRunner, current_session
+    from areal_env_client import AgentRunner, current_session
 
     stack = make_service_stack(engine, tokenizer, max_sessions_per_key=1, n_samples=2)
     try:

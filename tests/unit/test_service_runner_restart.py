@@ -13,13 +13,14 @@ import socket
 import sqlite3
 
 import httpx
+from areal_env_client import AgentRunner, AgentSession, current_session
 from areal_env_client.runner import _Attempts
 
 from areal_env.api.config import ProxyConfig
 from areal_env.api.service_config import ServiceConfig
 from areal_env.proxy.server import ProxyServer
-from areal_env.service.client import AgentRunner, AgentSession, current_session
-from areal_env.service.gateway import RESTARTED, GatewayServer
+from areal_env.service.gateway import GatewayServer
+from areal_env.service.sessions import RESTARTED
 from areal_env.service.source import ExternalTrajectorySource
 from areal_env.service.store import open_store
 from tests.fixtures.service import SERVICE_USER_KEYS, ServiceStack, make_service_stack

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from areal_env.api.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from areal_env.api.config import ConfigError, ExperimentConfig, load_config
+from areal_env.api.config_load import config_from_dict
 from areal_env.api.io import GenerationConfig, ModelRequest
 from areal_env.engine.factory import create_engine
 from areal_env.engine.sglang import SGLangEngine

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from areal_env.api.config import ExperimentConfig, config_from_dict
+from areal_env.api.config import ExperimentConfig
+from areal_env.api.config_load import config_from_dict
 from areal_env.api.io import GenerationConfig, ModelRequest
 from areal_env.service.source import ExternalTrajectorySource
 from areal_env.trainer.ppo import PPOTrainer
@@ -31,10 +32,10 @@ class RecordingSource(ExternalTrajectorySource):
         self.versions_set.append(int(version))
         super().set_version(version)
 
-    async def rollout_batch(self, items=None, **kw):
+    async def rollout_batch(self, **kw):
         if self.close_when_empty and self.num_ready_groups == 0:
             self.close()
-        return await super().rollout_batch(items, **kw)
+        return await super().rollout_batch(**kw)
 
 
 async def _episode(engine, tokenizer, question: str, reward: float, seed: int) -> dict:

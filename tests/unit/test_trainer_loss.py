@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
-from areal_env.trainer.actor import PPOActor, micro_batches, ppo_token_loss
-from areal_env.trainer.actor_math import optimizer_steps_taken, warmup_lr
+from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.actor_math import optimizer_steps_taken, ppo_token_loss, warmup_lr
 from areal_env.trainer.advantages import weight_negatives_by_prob
+from areal_env.trainer.dist import micro_batches
 
 
 def ref_token_loss(lp, old, adv, eps, eps_high=None, behav=None, cap=None, ref=None, kl=0.0):

@@ -8,10 +8,11 @@ import textwrap
 import pytest
 
 from areal_env.api.config import RolloutConfig
+from areal_env.api.imports import import_string
 from areal_env.api.workflow import RolloutWorkflow
 from areal_env.workflow.grouped import GroupedRolloutWorkflow
 from areal_env.workflow.proxy_workflow import OpenAIProxyWorkflow
-from areal_env.workflow.resolve import import_string, resolve_workflow
+from areal_env.workflow.resolve import resolve_workflow
 
 PROXY = {"proxy_base_url": "http://127.0.0.1:9", "admin_key": "admin"}
 

@@ -128,7 +128,7 @@ async def test_sync_agent_hanging_agent_and_recovery(proxy_server, engine, agent
 
 
 async def test_async_agent_and_pickled_instance(proxy_server, engine, agents_file):
-    from areal_env.workflow.resolve import import_string
+    from areal_env.api.imports import import_string
 
     wf = _resolve(proxy_server, f"{agents_file}:AsyncEnvAgent", episode_timeout=60.0)
     # an instance (not an import string) travels to the worker by pickle

@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 from areal_env.http import routes
+from areal_env.http.errors import HTTPError, anthropic_error_body
 from areal_env.proxy.protocols import common
 from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
-from areal_env.proxy.protocols.errors import ProxyError, anthropic_error_body
 
 
 def convert_messages(system: Any, raw: Any) -> list[dict[str, Any]]:
@@ -317,7 +317,7 @@ class EventWriter:
         return out + sse({"type": "message_stop"}, "message_stop")
 
     @staticmethod
-    def error(err: ProxyError) -> bytes:
+    def error(err: HTTPError) -> bytes:
         return sse(anthropic_error_body(err), "error")
 
 

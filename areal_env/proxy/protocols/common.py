@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from areal_env.http.errors import HTTPError, bad_request, openai_error_body
 from areal_env.proxy.content import ContentError, content_text
-from areal_env.proxy.protocols.errors import ProxyError, bad_request, openai_error_body
 
 # Tags that open a tool call in the families the parsers know. Text that could be the start of
 # one is held back while streaming until it is resolved.
@@ -81,7 +81,7 @@ class StreamWriter(Protocol):
 
     def finish(self, answer: Answer, logprobs: list[dict[str, Any]]) -> bytes: ...
 
-    def error(self, err: ProxyError) -> bytes: ...
+    def error(self, err: HTTPError) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class WireProtocol:
     parse: Callable[[Any], CompletionRequest]
     response: Callable[[Answer], dict[str, Any]]
     stream: Callable[[str, str, CompletionRequest, int], StreamWriter]
-    error_body: Callable[[ProxyError], dict[str, Any]] = openai_error_body
+    error_body: Callable[[HTTPError], dict[str, Any]] = openai_error_body
 
 
 # ---- field validation (never let a wrong type reach the engine as a 500) ----------------------

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_env.http import routes
+from areal_env.http.errors import HTTPError, openai_error_body
 from areal_env.proxy.protocols import common
 from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
-from areal_env.proxy.protocols.errors import ProxyError, openai_error_body
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -289,7 +289,7 @@ class ChunkWriter:
             out += sse(obj)
         return out + DONE
 
-    def error(self, err: ProxyError) -> bytes:
+    def error(self, err: HTTPError) -> bytes:
         return sse(openai_error_body(err)) + DONE
 
 

@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 from areal_env.http import routes
+from areal_env.http.errors import HTTPError
 from areal_env.proxy.protocols import common
 from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
-from areal_env.proxy.protocols.errors import ProxyError
 
 
 def convert_input(instructions: Any, raw: Any) -> list[dict[str, Any]]:
@@ -380,7 +380,7 @@ class EventWriter:
         r = self._resp(status, answer.finish_reason, use)
         return out + self._ev({"type": kind, "response": r})
 
-    def error(self, err: ProxyError) -> bytes:
+    def error(self, err: HTTPError) -> bytes:
         return self._ev({"type": "error", "code": err.code, "message": err.message, "param": None})
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_env.infra.aenv.config import AenvConfig
-from areal_env.infra.base import ToolEnvironment
-from areal_env.infra.episode import (
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.base import ToolEnvironment
+from areal_env.envs.episode import (
     EnvAgentBase,
     EpisodeOutcome,
     compute_reward,

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_env.api.records import field_dict, strict_from_dict
-from areal_env.infra.aenv.config import redact_url
-from areal_env.infra.base import check_common_options
+from areal_env.envs.aenv.config import redact_url
+from areal_env.envs.base import check_common_options
 
 TRANSPORTS = ("stdio", "http")
 ISOLATION = ("episode", "pool")

@@ -24,7 +24,7 @@ from tenacity import (
     wait_random,
 )
 
-from areal_env.infra.base import (
+from areal_env.envs.base import (
     EnvError,
     EnvServerDiedError,
     EnvToolCallError,
@@ -32,8 +32,8 @@ from areal_env.infra.base import (
     ToolCallResult,
     render_tool_output,
 )
-from areal_env.infra.mcp_session import McpSession, SessionDead
-from areal_env.infra.schema import normalize_openai_tools
+from areal_env.envs.mcp_session import McpSession, SessionDead
+from areal_env.envs.schema import normalize_openai_tools
 
 logger = logging.getLogger(__name__)
 

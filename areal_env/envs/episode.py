@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_env.api.imports import import_string
-from areal_env.infra.aenv.adapter import AenvEnvironmentAdapter
-from areal_env.infra.aenv.config import AenvConfig
-from areal_env.infra.base import ToolEnvironment, reward_value
-from areal_env.infra.mcp import McpConfig, McpEnvironmentAdapter, StdioServerPool
+from areal_env.envs.aenv.adapter import AenvEnvironmentAdapter
+from areal_env.envs.aenv.config import AenvConfig
+from areal_env.envs.base import ToolEnvironment, reward_value
+from areal_env.envs.mcp.adapter import McpEnvironmentAdapter, StdioServerPool
+from areal_env.envs.mcp.config import McpConfig
 
 
 class EnvironmentPool:
@@ -278,7 +279,7 @@ async def logged_tool_call(
     transport failures (``EnvToolCallError``) propagate so that the episode is rejected. The
     caller applies ``tool_error_policy`` (each agent raises its own error type).
     """
-    from areal_env.infra.schema import ToolArgumentsError, parse_tool_arguments
+    from areal_env.envs.schema import ToolArgumentsError, parse_tool_arguments
 
     entry: dict[str, Any] = {"name": name, "arguments": None, "is_error": True}
     tool_log.append(entry)

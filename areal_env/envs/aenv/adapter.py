@@ -31,44 +31,24 @@ from typing import Any
 import httpx
 from tenacity import RetryError
 
-from areal_env.infra.adapter_base import McpAdapterBase, RetrySafe, retry_cause
-from areal_env.infra.aenv.config import AenvConfig, redact_url
-from areal_env.infra.aenv.control import (
+from areal_env.envs.adapter_base import McpAdapterBase, RetrySafe, retry_cause
+from areal_env.envs.aenv.config import AenvConfig, redact_url
+from areal_env.envs.aenv.control import (
     CONTROL_PORT,
     ControlPlaneClient,
     Instance,
     routing_headers,
 )
-from areal_env.infra.base import (
+from areal_env.envs.base import (
     EnvCallError,
     EnvError,
-    EnvToolCallError,
     EnvUnavailableError,
-    ToolCallResult,
-    reward_value,
 )
-from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead
+from areal_env.envs.mcp_session import HttpTarget, McpSession, SessionDead
 
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({502, 503, 504})
-
-# The names this module exported before the ToolEnvironment protocol (kept for users).
-AenvError = EnvError
-AenvUnavailableError = EnvUnavailableError
-AenvToolCallError = EnvToolCallError
-AenvCallError = EnvCallError
-
-__all__ = [
-    "AenvCallError",
-    "AenvEnvironmentAdapter",
-    "AenvError",
-    "AenvToolCallError",
-    "AenvUnavailableError",
-    "ToolCallResult",
-    "is_retry_safe",
-    "reward_value",
-]
 
 
 def is_retry_safe(exc: BaseException) -> bool:
@@ -92,7 +72,7 @@ class AenvEnvironmentAdapter(McpAdapterBase):
     """Async context manager over one aenvironment instance for one episode.
 
     ``async with AenvEnvironmentAdapter(cfg) as env: tools = await env.list_tools()``.
-    Implements ``areal_env.infra.ToolEnvironment``.
+    Implements ``areal_env.envs.ToolEnvironment``.
     """
 
     config: AenvConfig

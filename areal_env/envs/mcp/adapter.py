@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from areal_env.infra.adapter_base import McpAdapterBase, RetrySafe
-from areal_env.infra.base import EnvError, EnvUnavailableError, ToolCallResult
-from areal_env.infra.mcp.config import McpConfig
-from areal_env.infra.mcp_session import HttpTarget, McpSession, SessionDead, StdioTarget
+from areal_env.envs.adapter_base import McpAdapterBase, RetrySafe
+from areal_env.envs.base import EnvError, EnvUnavailableError, ToolCallResult
+from areal_env.envs.mcp.config import McpConfig
+from areal_env.envs.mcp_session import HttpTarget, McpSession, SessionDead, StdioTarget
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from areal_env.api.records import field_dict, strict_from_dict
-from areal_env.infra.base import check_common_options
+from areal_env.envs.base import check_common_options
 
 MODES = ("direct", "scheduler")
 

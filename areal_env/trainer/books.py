@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_env.api.config import ExperimentConfig
+from areal_env.api.episode import Episode
 from areal_env.trainer import checkpoint as ckpt
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
@@ -195,7 +196,7 @@ class RunBooks:
 
     # -- dumps and metrics ----------------------------------------------------------------
 
-    def dump(self, episodes: list[dict[str, Any]], version: int, step: int) -> None:
+    def dump(self, episodes: list[Episode], version: int, step: int) -> None:
         """The step's episodes into ``rollout/{version}/{task}.jsonl`` (``rollout.dump_to_file``)."""
         if not (self.config.rollout.dump_to_file and episodes):
             return

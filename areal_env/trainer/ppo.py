@@ -1,7 +1,8 @@
 """``PPOTrainer``: rollouts through the proxy → PPO update → weight push → version bump.
 
 One training step (``atrain`` reads top to bottom):
-1. a batch from the :class:`~areal_env.api.source.BatchSource`: by default a
+1. a batch of episodes from the :class:`~areal_env.api.source.BatchSource`, collated into
+   tensors once (``workflow.batch.collate_groups``): by default a
    ``DatasetSource`` (``rollout.batch_size`` dataset items, ``n_samples`` episodes each, run by
    a ``RolloutExecutor`` through the trainer's own proxy; with
    ``rollout.max_head_offpolicyness > 0`` the next batch already rolls out while this one
@@ -31,7 +32,8 @@ from typing import Any
 from areal_env.api.config import ExperimentConfig
 from areal_env.api.config_load import validate_config
 from areal_env.api.engine import InferenceEngine
-from areal_env.api.source import BatchSource, SourceClosedError, TensorBatch
+from areal_env.api.episode import Episode
+from areal_env.api.source import BatchSource, RolloutBatch, SourceClosedError
 from areal_env.proxy.server import ProxyServer
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
@@ -52,6 +54,7 @@ from areal_env.trainer.setup import (
     start_proxy,
 )
 from areal_env.trainer.stats import Progress
+from areal_env.workflow.batch import collate_groups
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +320,7 @@ class PPOTrainer:
 
     async def _fetch_and_update(
         self, source: BatchSource
-    ) -> tuple[dict[str, Any], list[dict[str, Any]], int] | None:
+    ) -> tuple[dict[str, Any], list[Episode], int] | None:
         """A batch, then the update on it; a batch without signal is replaced by a fresh one
         while ``trainer.redraw_batches_without_signal`` allows (its episodes are dumped under
         this step all the same). ``(metrics, episodes, the version they were rolled out at)``,
@@ -325,22 +328,27 @@ class PPOTrainer:
         pos = self.position
         redrawn, rollout_s = 0, 0.0
         while True:
-            fetched = await self._fetch_batch(source)
-            if fetched is None:
+            t0 = time.perf_counter()
+            try:
+                batch = await source.next_batch(
+                    trainer_version=pos.version, batch_size=self.config.rollout.batch_size
+                )
+            except SourceClosedError:
+                logger.info("the batch source was closed: training stops at step %d", pos.step)
                 return None
-            batch, metrics = fetched
+            metrics: dict[str, Any] = dict(batch.stats)
+            rollout_s += time.perf_counter() - t0
+            metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
             if self._fault is not None and self._fault.should_kill_before_update(pos.step + 1):
                 kill_now(f"step {pos.step + 1}: batch fetched, update not started")
-            episodes, rolled_out_at = list(source.last_episodes), pos.version
             metrics.update(await self._update(batch))
-            rollout_s += metrics["time/rollout_s"]
             no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
             budget = self.config.trainer.redraw_batches_without_signal
             redraw = no_signal and pos.redraws_used < budget
             if not (redraw and isinstance(source, DatasetSource)):
                 metrics["rollout/redrawn"] = float(redrawn)
                 metrics["time/rollout_s"] = rollout_s
-                return metrics, episodes, rolled_out_at
+                return metrics, batch.episodes, batch.trainer_version
             pos.redraws_used += 1
             redrawn += 1
             logger.info(
@@ -352,35 +360,20 @@ class PPOTrainer:
                 budget,
             )
             source.skip_step()  # that batch is consumed without an update
-            self.books.dump(episodes, rolled_out_at, pos.step + 1)
+            self.books.dump(batch.episodes, batch.trainer_version, pos.step + 1)
 
-    async def _fetch_batch(
-        self, source: BatchSource
-    ) -> tuple[TensorBatch | None, dict[str, Any]] | None:
-        """The next batch and its rollout stats; ``None`` once the source is closed."""
-        t0 = time.perf_counter()
-        try:
-            batch, stats = await source.next_batch(
-                trainer_version=self.position.version, batch_size=self.config.rollout.batch_size
-            )
-        except SourceClosedError:
-            logger.info("the batch source was closed: training stops at step %d", self.step)
-            return None
-        metrics: dict[str, Any] = dict(stats)
-        metrics["time/rollout_s"] = time.perf_counter() - t0
-        metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
-        return batch, metrics
-
-    async def _update(self, batch: TensorBatch | None) -> dict[str, Any]:
-        """One PPO update on every rank (skipped when every episode was rejected)."""
-        if batch is None or int(batch["loss_mask"].sum()) == 0:
+    async def _update(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One PPO update on every rank, on the batch collated into tensors here, once
+        (skipped when every episode was rejected)."""
+        tensors = None if batch.empty else collate_groups(batch.groups)
+        if tensors is None or int(tensors["loss_mask"].sum()) == 0:
             logger.warning("step %d: every episode was rejected; update skipped", self.step)
             return {"actor/update_skipped": 1.0, "empty_batch": 1.0, "actor/updated": 0.0}
         step = self.position.step
 
         def update_all_ranks() -> dict[str, float]:
-            self.ranks.announce({"op": "update", "batch": batch, "step": step})
-            return self._actor.update(batch, step=step)
+            self.ranks.announce({"op": "update", "batch": tensors, "step": step})
+            return self._actor.update(tensors, step=step)
 
         ustats = await asyncio.to_thread(update_all_ranks)
         return {

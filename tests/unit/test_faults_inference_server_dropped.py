@@ -78,7 +78,7 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
                 task = asyncio.create_task(ex.rollout_batch(items[:4], trainer_version=0))
                 # every session is bound to its server (its first turn done) and the victim is
                 # generating later turns: kill it now
-                while len(FIRST_TURNS_DONE) < 8 or eng.router._inflight.get(victim, 0) == 0:
+                while len(FIRST_TURNS_DONE) < 8 or eng.servers.router.inflight.get(victim, 0) == 0:
                     assert not task.done()
                     await asyncio.sleep(0.02)
                 await asyncio.to_thread(_kill, procs[1])
@@ -93,7 +93,7 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
             assert rejected, stats  # the victim's sessions could not go on: rejected, counted
             for e in rejected:  # each names why: the engine was unavailable (proxy 503)
                 assert e["reason"] and "503" in str(e.get("error")), e
-            assert eng.router.up() == 1  # the victim is marked down for new sessions
+            assert eng.servers.router.up() == 1  # the victim is marked down for new sessions
 
             # the step's weight update: the dead server is dropped by address, the step completes
             eng.update_weights(str(weights))

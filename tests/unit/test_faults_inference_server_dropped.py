@@ -26,6 +26,7 @@ from areal_env.api.config import ProxyConfig, RolloutConfig
 from areal_env.engine.sglang import SGLangEngine
 from areal_env.http.net import bind_socket
 from areal_env.proxy.server import ProxyServer
+from tests.fixtures.batches import episode_dicts
 from tests.fixtures.proxy import proxy_executor
 from tests.unit.test_faults_inference_server import _kill, _start
 
@@ -83,8 +84,8 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
                 await asyncio.to_thread(_kill, procs[1])
                 return await task
 
-            _, stats = asyncio.run(first_batch())
-            episodes = ex.last_episodes
+            stats = asyncio.run(first_batch()).stats
+            episodes = episode_dicts(ex.last_batch)
             assert len(episodes) == 8  # every episode accounted: accepted or rejected
             assert stats["episodes/accepted"] + stats["episodes/rejected"] == 8
             assert stats["episodes/accepted"] >= 1, stats  # the live server's episodes finished
@@ -101,9 +102,9 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
             assert eng.stats()["servers_dropped"] == 1.0
 
             # the next rollout runs on the survivor only, at the new version, nothing rejected
-            _, stats2 = asyncio.run(ex.rollout_batch(items[4:], trainer_version=1))
+            stats2 = asyncio.run(ex.rollout_batch(items[4:], trainer_version=1)).stats
             assert stats2["episodes/accepted"] == 8 and stats2["episodes/rejected"] == 0, stats2
-            versions = {(e["min_version"], e["max_version"]) for e in ex.last_episodes}
+            versions = {(e["min_version"], e["max_version"]) for e in episode_dicts(ex.last_batch)}
             assert versions == {(1, 1)}, versions
             asyncio.run(ex.aclose())
     finally:

@@ -89,7 +89,7 @@ class GrammarCompiler:
         self.max_cached = max_cached
         self._tokenizer: Any = None  # llguidance's LLTokenizer, built on first use (~0.5 s)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self._closing: torch.Tensor | None = None
+        self._closing: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.RLock()  # matcher() hands out closing_tokens() under it
         self.compiled = 0
         self.hits = 0
@@ -104,21 +104,25 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def closing_tokens(self) -> torch.Tensor:
-        """``[vocab]`` bool: the tokens that only close things (text made of ``"``, ``}``,
-        ``]``) and eos. Near the end of its token budget a row that has not completed its
-        grammar prefers these where the grammar allows one (see ``RowGrammar.close``)."""
+    def closing_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``[vocab]`` bool masks: the tokens whose text starts with ``"`` and is made of
+        ``"``, ``}`` and ``]`` only (they end a string, and maybe more), and all the tokens made
+        of those characters, plus eos. Near the end of its token budget a row that has not
+        completed its grammar prefers them, in that order (see ``RowGrammar.close``)."""
         with self._lock:
             if self._closing is None:
                 tok = self._hf_tokenizer
+                quote = torch.zeros(self.vocab_size, dtype=torch.bool)
                 closing = torch.zeros(self.vocab_size, dtype=torch.bool)
                 for tid in range(min(self.vocab_size, len(tok))):
                     text = tok.decode([tid], skip_special_tokens=False)
-                    closing[tid] = bool(text) and not text.strip('"}]')
+                    if text and not text.strip('"}]'):
+                        closing[tid] = True
+                        quote[tid] = text.startswith('"')
                 for eos in self.eos_ids:
                     if 0 <= eos < self.vocab_size:
                         closing[eos] = True
-                self._closing = closing
+                self._closing = (quote, closing)
             return self._closing
 
     def cached(self, constraint: Constraint) -> bool:
@@ -135,7 +139,7 @@ class GrammarCompiler:
             if pristine is not None:
                 self._cache.move_to_end(constraint)
                 self.hits += 1
-                return RowGrammar(pristine.deep_copy(), self.closing_tokens())
+                return RowGrammar(pristine.deep_copy(), *self.closing_tokens())
         tok = self._llg_tokenizer()
         grammar = grammar_text(constraint)
         error = llguidance.LLMatcher.validate_grammar(grammar, tok)
@@ -149,7 +153,7 @@ class GrammarCompiler:
             self.compiled += 1
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
-            return RowGrammar(matcher.deep_copy(), self.closing_tokens())
+            return RowGrammar(matcher.deep_copy(), *self.closing_tokens())
 
     def mask_filler(self) -> MaskFiller:
         return MaskFiller(self.vocab_size)
@@ -158,25 +162,32 @@ class GrammarCompiler:
 class RowGrammar:
     """One row's matcher: where the output stands in its grammar."""
 
-    __slots__ = ("closing", "matcher")
+    __slots__ = ("closing", "matcher", "quote")
 
-    def __init__(self, matcher: Any, closing: torch.Tensor) -> None:
+    def __init__(self, matcher: Any, quote: torch.Tensor, closing: torch.Tensor) -> None:
         self.matcher = matcher
+        self.quote = quote
         self.closing = closing
 
     def close(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` narrowed to the tokens that close open strings, objects and arrays (or end
-        the output) where the grammar allows one, while the output is incomplete.
+        """``mask`` narrowed to the tokens that close what is open, while the output is
+        incomplete: first those that start with ``"`` (inside a string only they end it: ``}``
+        and ``]`` are string content there, and a model that prefers them would write
+        ``}}}}`` until its budget ran out), then any made of ``"``, ``}``, ``]`` or eos; the
+        full mask where the grammar allows none of them (a key still to write, a number).
 
-        Why: a small model at T=1 may write a string value until its token budget runs out, and
-        a JSON reply cut there does not parse (3 of 4 strict-schema replies of SmolLM2-135M
-        parsed before this). Applied only in the last ``close_margin`` tokens of the budget, so
-        the model's own choices decide everything else; each token it then picks still reports
-        the model's own logprob (or 0 when it was the only one allowed)."""
+        Why: a small model at T=1 may write a string until its token budget runs out, and a
+        JSON reply cut there does not parse (3 of 4 strict-schema replies of SmolLM2-135M parsed
+        before this). Applied only in the last ``close_margin`` tokens of the budget, so the
+        model's own choices decide everything else; each token it then picks still reports the
+        model's own logprob (or 0 when it was the only one allowed)."""
         if self.matcher.is_accepting():
             return mask  # complete already (free text, a finished value): nothing to close
-        narrowed = mask & self.closing[: mask.shape[0]]
-        return narrowed if bool(narrowed.any()) else mask
+        for tier in (self.quote, self.closing):
+            narrowed = mask & tier[: mask.shape[0]]
+            if bool(narrowed.any()):
+                return narrowed
+        return mask
 
     def consume(self, token: int) -> bool:
         """Advance past the sampled ``token``; False if the grammar refuses it (then the row's

@@ -62,6 +62,9 @@ class EpisodeRecord:
     interactions: list[dict[str, Any]] = field(default_factory=list)
     export_stats: dict[str, Any] = field(default_factory=dict)
     n_rows: int = 0
+    row_ids: list[str] = field(default_factory=list)
+    """The interaction id each exported row ends at, in row order (links a batch row to its
+    completion: the trainer's token record)."""
     output_tokens: int = 0
     min_version: int | None = None
     max_version: int | None = None
@@ -397,7 +400,10 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
     def _to_rows(self, exported: dict[str, Any], rec: EpisodeRecord) -> list[TrainingRow] | None:
         rec.interactions = list(exported.get("interactions") or [])
         rec.export_stats = dict(exported.get("stats") or {})
-        rows = rows_from_export(exported.get("trajectories") or {})
+        trajectories = exported.get("trajectories") or {}
+        rows = rows_from_export(trajectories)
+        if isinstance(trajectories, dict):
+            rec.row_ids = [str(k) for k in trajectories]
         if not rows:
             self._reject(rec, "no_completions", "the agent made no model calls")
             return None

@@ -142,6 +142,14 @@ const DEFAULT_CHARTS = [
   "perf/tokens_per_s", "mem/peak_rss_gb", "actor/grad_norm",
 ];
 
+// Tick and value labels that stay readable from 1e-9 (a KL) to 1e6 (a gradient norm).
+function num(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  const a = Math.abs(v);
+  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(a >= 1e5 ? 1 : 2);
+  return String(+v.toPrecision(4));
+}
+
 function Chart({ title, xs, ys, onPick }) {
   const box = useRef(null);
   const plot = useRef(null);
@@ -149,27 +157,35 @@ function Chart({ title, xs, ys, onPick }) {
     const el = box.current;
     if (!el || !window.uPlot) return undefined;
     const opts = {
-      width: Math.max(260, el.clientWidth), height: 170,
+      width: Math.max(240, el.clientWidth), height: 170,
       scales: { x: { time: false } },
       legend: { show: false },
       cursor: { drag: { x: false, y: false } },
-      axes: [{ label: "step", size: 34 }, { size: 50 }],
+      axes: [
+        { label: "step", size: 34, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
+        { size: 70, values: (u, splits) => splits.map(num) },
+      ],
       series: [{}, { label: title, stroke: "#2f6fdf", width: 2, points: { size: 5, show: true }, spanGaps: true }],
     };
-    plot.current = new window.uPlot(opts, [xs, ys], el);
-    const over = plot.current.over;
+    const u = new window.uPlot(opts, [xs, ys], el);
+    plot.current = u;
     const click = () => {
-      const i = plot.current.cursor.idx;
-      if (i !== null && i !== undefined && onPick) onPick(xs[i]);
+      const i = u.cursor.idx;
+      if (i !== null && i !== undefined && onPick) onPick(u.data[0][i]);
     };
-    over.addEventListener("click", click);
-    return () => { over.removeEventListener("click", click); plot.current.destroy(); plot.current = null; };
+    u.over.addEventListener("click", click);
+    const resize = new ResizeObserver(() => {
+      const w = Math.max(240, el.clientWidth);
+      if (Math.abs(w - u.width) > 1) u.setSize({ width: w, height: 170 });
+    });
+    resize.observe(el);
+    return () => { resize.disconnect(); u.over.removeEventListener("click", click); u.destroy(); plot.current = null; };
   }, [title]);
   useEffect(() => { if (plot.current) plot.current.setData([xs, ys]); }, [xs, ys]);
   const last = ys.length ? ys[ys.length - 1] : null;
   return html`<div class="chart" data-testid="chart" data-key=${title}>
-    <div class="chart-title">${title} <span class="muted">${last === null ? "" : fmt(last)}</span></div>
-    <div ref=${box}></div></div>`;
+    <div class="chart-title">${title} <span class="muted">${last === null ? "" : num(last)}</span></div>
+    <div ref=${box} class="plot"></div></div>`;
 }
 
 function Charts({ run, metrics, evals, keys }) {
@@ -227,7 +243,7 @@ function StepsTable({ run, live }) {
       <tbody>${data.items.map((s) => html`<tr data-testid="step-row" data-step=${s.step} onClick=${() => { location.hash = stepHref(run, s.step); }}>
         <td><a href=${stepHref(run, s.step)}>${s.step}</a></td><td>${s.versions.join(", ") || "–"}</td>
         <td>${s.sessions}</td><td>${s.rejected || ""}</td><td>${s.groups}${s.zero_variance_groups ? ` (${s.zero_variance_groups})` : ""}</td>
-        <td>${fmt(s.reward_mean)}</td><td>${fmt(s.metrics["actor/clip_frac"])}</td><td>${fmt(s.metrics["actor/approx_kl"], 5)}</td>
+        <td>${fmt(s.reward_mean)}</td><td>${fmt(s.metrics["actor/clip_frac"])}</td><td>${num(s.metrics["actor/approx_kl"])}</td>
         <td>${s.token_parts ? "✓" : ""}</td></tr>`)}</tbody></table>`}
     ${data && html`<${Pager} total=${data.total} offset=${offset} limit=${limit} onChange=${setOffset} />`}
   </section>`;
@@ -295,7 +311,7 @@ function StepPage({ run, step, single }) {
       <span>groups <b>${d.groups}</b>, without signal ${d.zero_variance_groups}</span>
       <span>reward mean <b>${fmt(rec["reward/mean"])}</b></span>
       <span>clip frac <b>${fmt(rec["actor/clip_frac"])}</b></span>
-      <span>approx KL <b>${fmt(rec["actor/approx_kl"], 6)}</b></span>
+      <span>approx KL <b>${num(rec["actor/approx_kl"])}</b></span>
       <span>entropy <b>${fmt(rec["actor/entropy"])}</b></span>
       <span>update ${rec["actor/update_skipped"] ? html`<b class="bad">skipped</b>` : html`<b>done</b>`}</span>
       <span>token record: ${d.token_record.length ? d.token_record.map((p) => `${p.rows} rows, ${p.trained_tokens} trained tokens, ${(p.bytes / 1024).toFixed(1)} KiB`).join("; ") : "none"}</span>

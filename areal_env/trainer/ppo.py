@@ -50,6 +50,7 @@ from areal_env.trainer.faults import fault_from_env, kill_now
 from areal_env.trainer.feed import DatasetSource
 from areal_env.trainer.ppo_setup import TrainerSetup
 from areal_env.trainer.stats import MetricsLogger, Progress
+from areal_env.trainer.token_record import TokenLog
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class PPOTrainer(TrainerSetup):
         self.source: BatchSource | None = source
         self.evaluator: Evaluator | None = None
         self.metrics: MetricsLogger | None = None
+        self.token_log: TokenLog | None = None  # rollout.dump_to_file: per-token update record
         self.step = 0
         self.version = 0
         self.saved_step = 0
@@ -142,6 +144,8 @@ class PPOTrainer(TrainerSetup):
             self.engine = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.token_log is not None:
+            self.token_log.close()
         if self.dist.distributed:
             from areal_env.trainer.dist import destroy
 
@@ -250,6 +254,8 @@ class PPOTrainer(TrainerSetup):
                 kill_now(f"step {self.step + 1}: batch fetched, update not started")
             records, dumped_version = list(source.last_episodes), self.version
             metrics.update(await self._update(batch))
+            if self.token_log is not None:
+                self.token_log.commit(self.step + 1, dumped_version, records)
             rollout_s += metrics["time/rollout_s"]
             no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
             budget = self.config.trainer.redraw_batches_without_signal

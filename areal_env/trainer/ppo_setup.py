@@ -24,7 +24,8 @@ from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.eval import Evaluator, truncate_eval_log
 from areal_env.trainer.feed import DatasetSource
 from areal_env.trainer.ppo_bookkeeping import TrainerBookkeeping
-from areal_env.trainer.stats import MetricsLogger
+from areal_env.trainer.stats import MetricsLogger, write_run_config
+from areal_env.trainer.token_record import TokenLog
 from areal_env.workflow.executor import RolloutExecutor
 from areal_env.workflow.resolve import resolve_workflow
 
@@ -57,6 +58,15 @@ class TrainerSetup(TrainerBookkeeping):
             self.version = self._engine.get_version()
         self.metrics.truncate_after(self.step if restored else 0)
         self._drop_stale_dumps(self.step if restored else 0)
+        write_run_config(self.run_dir, cfg)
+        if cfg.rollout.dump_to_file:
+            self.token_log = TokenLog(
+                self.run_dir,
+                cfg.actor,
+                tokenizer=self.tokenizer,
+                keep_step=self.step if restored else 0,
+            )
+            self._actor.trace = self.token_log.trace
         truncate_eval_log(self.run_dir, self.step if restored else -1)
         self.saved_step = self.step
         if self.source is None:

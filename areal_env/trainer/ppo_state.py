@@ -21,6 +21,7 @@ from areal_env.trainer.dist import DistContext
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.faults import FaultPlan
 from areal_env.trainer.stats import MetricsLogger
+from areal_env.trainer.token_record import TokenLog
 
 
 class TrainerState:
@@ -41,6 +42,7 @@ class TrainerState:
     source: BatchSource | None
     evaluator: Evaluator | None
     metrics: MetricsLogger | None
+    token_log: TokenLog | None
     step: int
     version: int
     saved_step: int

@@ -80,6 +80,12 @@ class Catalog:
         run.refresh()
         return run
 
+    def warm(self) -> None:
+        """Index every run now (the first read of a big run takes a second or two: better at
+        start-up, in the background, than on the first page someone opens)."""
+        for run_id in self.ids():
+            self.run(run_id)
+
     def evals(self, run_id: str) -> EvalStore | None:
         if self.run(run_id) is None:
             return None

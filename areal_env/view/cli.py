@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import webbrowser
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if key is not None:
         url += f"?key={key}"
     runs = catalog.ids()
+    threading.Thread(target=catalog.warm, name="view-index", daemon=True).start()
 
     def ready() -> None:
         what = "the run" if runs == ["."] else f"{len(runs)} run(s)" if runs else "no run yet"

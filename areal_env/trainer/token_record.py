@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from areal_env.api.config import ActorConfig
+    from areal_env.api.episode import Episode
     from areal_env.trainer.actor_math import PreparedBatch
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,8 @@ def decode_block(data: bytes, shapes: Sequence[tuple[int, int]]) -> list[RowToke
 
 @dataclass
 class RowLink:
-    """Where a batch row came from: its session, task, group and trajectory, and the
-    interaction its tokens end at (``row_id``: the proxy's export key)."""
+    """Where a batch row came from: its session, task, group and member, and the completion
+    its tokens end at (``row_id``: the proxy's interaction id)."""
 
     session_id: str | None = None
     task_id: str | None = None
@@ -156,56 +157,21 @@ class RowLink:
     row_id: str | None = None
 
 
-def _record_row_ids(rec: dict[str, Any]) -> list[str | None]:
-    """The interaction ids of the batch rows an episode record contributed (``None`` for each
-    row when the record does not say)."""
-    ids = rec.get("row_ids")
-    if ids is None and isinstance(rec.get("trajectories"), dict):  # an external session
-        ids = list(rec["trajectories"])
-    n = rec.get("n_rows")
-    n = len(ids) if n is None and ids is not None else int(n or 0)
-    return list(ids) if ids is not None and len(ids) == n else [None] * n
-
-
-def link_rows(records: Sequence[dict[str, Any]], n_rows: int) -> list[RowLink]:
-    """Each of a batch's ``n_rows`` rows linked to the episode record it came from.
-
-    The batch is collated once, group by group, in the order of the source's ``last_episodes``
-    (workflow episodes: accepted groups by ``group_index``, members in order; external sessions:
-    as listed), each record contributing its ``n_rows``. When the counts disagree (a workflow
-    that returns rows another way) the rows stay unlinked rather than linked wrongly.
-    """
-    links: list[RowLink] = []
-    external = any("group_key" in r for r in records)
-    groups: dict[Any, int] = {}
-    for rec in records:
-        if external:
-            group = groups.setdefault(rec.get("group_key"), len(groups))
-        else:
-            gi = rec.get("group_index")
-            if gi is None or int(gi) < 0 or not rec.get("accepted", True):
-                continue
-            group = int(gi)
-        task = rec.get("task_id")
-        for row_id in _record_row_ids(rec):
-            links.append(
-                RowLink(
-                    session_id=rec.get("session_id"),
-                    task_id=None if task is None else str(task),
-                    group=group,
-                    traj=rec.get("traj_index"),
-                    row_id=row_id,
-                )
-            )
-    if len(links) != n_rows:
-        if records:
-            logger.debug(
-                "token record: %d rows but the episode records account for %d; rows unlinked",
-                n_rows,
-                len(links),
-            )
-        return [RowLink() for _ in range(n_rows)]
-    return links
+def links_of(groups: Sequence[Sequence[Episode]]) -> list[RowLink]:
+    """Each row of a batch linked to its episode, in the order the batch is collated
+    (``workflow.batch.collate_groups``: group by group, episode by episode, row by row)."""
+    return [
+        RowLink(
+            session_id=ep.session_id,
+            task_id=None if ep.task_id is None else str(ep.task_id),
+            group=g,
+            traj=ep.traj_index,
+            row_id=row.row_id,
+        )
+        for g, episodes in enumerate(groups)
+        for ep in episodes
+        for row in ep.rows
+    ]
 
 
 # ---- what the actor hands over ------------------------------------------------------------
@@ -305,14 +271,15 @@ def rows_of(cap: CapturedUpdate) -> list[RowTokens]:
 @dataclass
 class UpdatePart:
     """One update, ready to be written: ``step``'s ``part``-th update (a redrawn batch makes
-    more than one), on rollouts of weights ``version``; ``records``: the batch's episode
-    records (``BatchSource.last_episodes``); ``meta``: more keys for the index."""
+    more than one), on rollouts of weights ``version``; ``links``: where each row came from
+    (:func:`links_of`; rows without one are kept, unlinked); ``meta``: more keys for the
+    index."""
 
     step: int
     part: int
     version: int
     captured: CapturedUpdate
-    records: list[dict[str, Any]]
+    links: list[RowLink]
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -334,7 +301,7 @@ def _row_summary(row: RowTokens, link: RowLink, index: int, reward: float) -> di
 def write_part(root: Path, job: UpdatePart) -> Path:
     """Write one update's ``.bin`` and then its ``.json`` index; returns the index path."""
     rows = rows_of(job.captured)
-    links = link_rows(job.records, len(rows))
+    links = job.links if len(job.links) == len(rows) else [RowLink() for _ in rows]
     rewards = job.captured.rewards.float().tolist()
     by_session: dict[str | None, list[int]] = {}
     for i, link in enumerate(links):
@@ -450,15 +417,23 @@ class TokenLog:
         # a trainer that is never closed still gets its last steps written at exit
         atexit.register(self.close)
 
-    def commit(self, step: int, version: int, records: Sequence[dict[str, Any]]) -> None:
-        """Queue the update the trace saw (if any) as a part of ``step``; ``records``: the
-        source's ``last_episodes`` for that batch (links rows to sessions)."""
+    def commit(self, step: int, version: int, groups: Sequence[Sequence[Episode]]) -> None:
+        """Queue the update the trace saw (if any) as a part of ``step``; ``groups``: the
+        batch's accepted episodes, as collated (links its rows to their sessions)."""
         captured = self.trace.take()
         if captured is None:
             return
         part = self._parts.get(step, 0)
         self._parts[step] = part + 1
-        job = UpdatePart(step, part, version, captured, list(records), dict(self._meta))
+        links = links_of(groups)
+        if len(links) != len(captured.lengths):
+            logger.warning(
+                "token record of step %d: %d rows but the episodes hold %d; rows kept unlinked",
+                step,
+                len(captured.lengths),
+                len(links),
+            )
+        job = UpdatePart(step, part, version, captured, links, dict(self._meta))
         try:
             self._queue.put_nowait(job)
         except queue.Full:

@@ -231,7 +231,7 @@ class RunIndex:
             group = rec.get("group_id") or rec.get("group_key") or sid
             reward = rec.get("final_reward") if external else rec.get("episode_reward")
             accepted = rec.get("accepted")
-            if external:
+            if external and accepted is None:  # dumps from before episodes said so
                 accepted = rec.get("status") in (None, "finalized", "completed", "trained")
             version = rec.get("version")
             info = SessionInfo(
@@ -242,7 +242,7 @@ class RunIndex:
                 group=str(group),
                 traj_index=rec.get("traj_index"),
                 accepted=accepted,
-                reason=rec.get("reason") if not external else rec.get("status"),
+                reason=rec.get("reason") or (rec.get("status") if external else None),
                 reward=reward_value(reward),
                 external=external,
                 error=rec.get("error"),

@@ -21,7 +21,7 @@ from areal_env.trainer.token_record import (
     decode_block,
     drop_parts_after,
     encode_block,
-    link_rows,
+    links_of,
     write_part,
 )
 from areal_env.view.evals import EvalStore, compare
@@ -148,63 +148,37 @@ def test_update_trace_places_flat_values_row_major():
 
 
 def test_rows_link_to_their_sessions_in_batch_order():
-    records = [
-        {
-            "session_id": "a",
-            "task_id": "t1",
-            "group_index": 0,
-            "traj_index": 0,
-            "accepted": True,
-            "n_rows": 2,
-            "row_ids": ["a1", "a2"],
-        },
-        {"session_id": "r", "task_id": "t9", "group_index": -1, "accepted": False, "n_rows": 0},
-        {
-            "session_id": "b",
-            "task_id": "t1",
-            "group_index": 0,
-            "traj_index": 1,
-            "accepted": True,
-            "n_rows": 1,
-            "row_ids": ["b1"],
-        },
-        {
-            "session_id": "x",
-            "task_id": "t2",
-            "group_index": 1,
-            "traj_index": 0,
-            "accepted": False,
-            "n_rows": 0,
-        },
-        {
-            "session_id": "c",
-            "task_id": "t2",
-            "group_index": 1,
-            "traj_index": 1,
-            "accepted": True,
-            "n_rows": 1,
-            "row_ids": ["c1"],
-        },
-    ]
-    links = link_rows(records, 4)
+    """Rows are linked as ``collate_groups`` orders them; each row names its completion (the
+    export key ``rows_from_export`` keeps)."""
+    from areal_env.api.episode import Episode
+    from areal_env.api.rows import rows_from_export
+    from areal_env.workflow.batch import collate_groups
+
+    def row(n: int) -> dict:
+        return {
+            "input_ids": [1] * n,
+            "loss_mask": [0] + [1] * (n - 1),
+            "logprobs": [0.0] * n,
+            "versions": [0] * n,
+            "reward": 1.0,
+        }
+
+    def episode(sid: str, traj: int, ids: list[str]) -> Episode:
+        export = {"trajectories": {i: row(3 + k) for k, i in enumerate(ids)}}
+        return Episode.from_export(export, session_id=sid, task_id="t", traj_index=traj)
+
+    groups = [[episode("a", 0, ["a1", "a2"]), episode("b", 1, ["b1"])], [episode("c", 1, ["c1"])]]
+    links = links_of(groups)
     assert [(x.session_id, x.row_id, x.group, x.traj) for x in links] == [
         ("a", "a1", 0, 0),
         ("a", "a2", 0, 0),
         ("b", "b1", 0, 1),
         ("c", "c1", 1, 1),
     ]
-    # counts that disagree leave the rows unlinked rather than linked wrongly
-    assert [x.session_id for x in link_rows(records, 5)] == [None] * 5
-    # external sessions: rows named by their export keys, groups by group key
-    ext = [
-        {"session_id": "s1", "group_key": "k", "trajectories": {"i1": {}, "i2": {}}},
-        {"session_id": "s2", "group_key": "k2", "trajectories": {"j1": {}}},
-    ]
-    assert [(x.session_id, x.row_id, x.group) for x in link_rows(ext, 3)] == [
-        ("s1", "i1", 0),
-        ("s1", "i2", 0),
-        ("s2", "j1", 1),
-    ]
+    batch = collate_groups(groups)  # the same rows, in the same order
+    assert batch["input_ids"].shape[0] == 4
+    assert [int(n) for n in batch["attention_mask"].sum(dim=1)] == [3, 4, 3, 3]
+    assert [r.row_id for r in rows_from_export([row(2)])] == [None]  # a list has no keys
 
 
 def test_write_part_then_read_it_back(tmp_path):
@@ -242,7 +216,7 @@ def test_a_damaged_token_block_is_an_error_in_words(tmp_path):
         recs.read_block(part, entry)
 
 
-def test_write_part_leaves_rows_unlinked_when_records_disagree(tmp_path):
+def test_write_part_keeps_rows_it_cannot_link(tmp_path):
     cap = CapturedUpdate(
         input_ids=torch.tensor([[5, 6, 7]]),
         lengths=[3],
@@ -255,7 +229,7 @@ def test_write_part_leaves_rows_unlinked_when_records_disagree(tmp_path):
         clipped=torch.full((1, 3), NOT_SCORED, dtype=torch.uint8),
         recomputed=False,
     )
-    path = write_part(tmp_path, UpdatePart(1, 0, 0, cap, records=[]))
+    path = write_part(tmp_path, UpdatePart(1, 0, 0, cap, links=[]))
     index = json.loads(path.read_text())
     assert index["sessions"][0]["session_id"] is None
     assert index["sessions"][0]["rows"][0]["gap"] is None  # nothing scored

@@ -14,19 +14,21 @@ and packing, compression and disk writes happen off the training loop.
 Files under ``run_dir/tokens/`` (one pair per update; a step whose batch was redrawn has
 several parts):
 
-- ``step-{step:06d}-{part}.bin``: one zlib-compressed block per session; inside a block, per
+- ``step-{step:06d}-{part}.bin``: one zlib-compressed block per GRPO group; inside a block, per
   row, little-endian: ``input_ids`` int32[n], ``loss_mask`` uint8[n], then for the k tokens in
   the loss mask: ``versions`` int32[k], ``rollout_logprob`` float32[k], ``trainer_logprob``
   float32[k] (NaN: no update pass scored it: the update was skipped, the token is the row's
   first, or another rank trained the row), ``advantage`` float32[k], ``clipped`` uint8[k]
-  (0, 1, or 255 when not scored). Rows of one session share prefixes, which zlib finds.
+  (0, 1, or 255 when not scored). A group's rows share their prompt (and a session's rows
+  their earlier turns), which zlib stores once.
 - ``step-{step:06d}-{part}.json``: the index (written last, atomically, so its presence means
-  the ``.bin`` is whole): the step, version, clip range, and per session its block's offset and
-  size and per row its interaction id, lengths, reward, mean advantage and clipped count.
+  the ``.bin`` is whole): the step, version, clip range; per block its offset, size and rows'
+  ``(n, k)``; per session its block, where its rows start in it, and per row its interaction
+  id, lengths, reward, mean advantage, clipped count and mean |gap|.
 - ``tokenizer.json``: the run's tokenizer, so the folder decodes tokens on its own.
 
-Size: about 5 bytes per token plus 17 per trained token before compression (measured figures
-per 1,000 episodes in docs/viewer.md).
+Size: 5 bytes per token plus 17 per trained token before compression; measured figures per
+1,000 episodes in docs/viewer.md.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 TOKEN_DIR = "tokens"
 TOKENIZER_FILE = "tokenizer.json"
 NOT_SCORED = 255
@@ -283,50 +285,70 @@ class UpdatePart:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _row_summary(row: RowTokens, link: RowLink, index: int, reward: float) -> dict[str, Any]:
+def _short(x: float) -> float:
+    """Six significant digits: what a summary needs, in a third of the index's bytes."""
+    return float(f"{x:.6g}")
+
+
+def _row_summary(row: RowTokens, link: RowLink, reward: float) -> dict[str, Any]:
     trained = row.clipped != NOT_SCORED
     gap = np.abs(row.trainer_logprob[trained] - row.rollout_logprob[trained])
     return {
         "row_id": link.row_id,
-        "row": index,
         "n": len(row.input_ids),
         "k": len(row.versions),
-        "reward": reward,
-        "adv": float(row.advantage.mean()) if len(row.advantage) else 0.0,
+        "reward": _short(reward),
+        "adv": _short(float(row.advantage.mean())) if len(row.advantage) else 0.0,
         "clipped": int(np.count_nonzero(row.clipped == 1)),
-        "gap": float(gap.mean()) if len(gap) else None,
+        "gap": _short(float(gap.mean())) if len(gap) else None,
     }
 
 
 def write_part(root: Path, job: UpdatePart) -> Path:
-    """Write one update's ``.bin`` and then its ``.json`` index; returns the index path."""
+    """Write one update's ``.bin`` and then its ``.json`` index; returns the index path.
+
+    One compressed block per GRPO group (its members share the prompt, which zlib then stores
+    once), the rows of each session contiguous in it; the index says where each session's rows
+    start in their block."""
     rows = rows_of(job.captured)
     links = job.links if len(job.links) == len(rows) else [RowLink() for _ in rows]
     rewards = job.captured.rewards.float().tolist()
-    by_session: dict[str | None, list[int]] = {}
+    by_group: dict[int | None, dict[str | None, list[int]]] = {}
     for i, link in enumerate(links):
-        by_session.setdefault(link.session_id, []).append(i)
+        by_group.setdefault(link.group, {}).setdefault(link.session_id, []).append(i)
     stem = part_stem(job.step, job.part)
-    sessions = []
+    blocks: list[dict[str, Any]] = []
+    sessions: list[dict[str, Any]] = []
     offset = 0
     tmp_bin = root / f".{stem}.bin.tmp"
     with tmp_bin.open("wb") as f:
-        for sid, members in by_session.items():
-            block = encode_block(rows[i] for i in members)
-            f.write(block)
-            first = links[members[0]]
-            sessions.append(
+        for members in by_group.values():
+            order = [i for ids in members.values() for i in ids]
+            data = encode_block(rows[i] for i in order)
+            f.write(data)
+            start = 0
+            for sid, ids in members.items():
+                first = links[ids[0]]
+                sessions.append(
+                    {
+                        "session_id": sid,
+                        "task_id": first.task_id,
+                        "group": first.group,
+                        "traj": first.traj,
+                        "block": len(blocks),
+                        "start": start,
+                        "rows": [_row_summary(rows[i], links[i], rewards[i]) for i in ids],
+                    }
+                )
+                start += len(ids)
+            blocks.append(
                 {
-                    "session_id": sid,
-                    "task_id": first.task_id,
-                    "group": first.group,
-                    "traj": first.traj,
                     "offset": offset,
-                    "size": len(block),
-                    "rows": [_row_summary(rows[i], links[i], i, rewards[i]) for i in members],
+                    "size": len(data),
+                    "shapes": [[len(rows[i].input_ids), len(rows[i].versions)] for i in order],
                 }
             )
-            offset += len(block)
+            offset += len(data)
     os.replace(tmp_bin, root / f"{stem}.bin")
     index = {
         "format": FORMAT,
@@ -340,6 +362,7 @@ def write_part(root: Path, job: UpdatePart) -> Path:
         "tokens": int(sum(len(r.input_ids) for r in rows)),
         "trained_tokens": int(sum(len(r.versions) for r in rows)),
         "bytes": offset,
+        "blocks": blocks,
         "sessions": sessions,
     }
     tmp = root / f".{stem}.json.tmp"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ class TokenRecords:
         self.errors: list[str] = []
         self._text: TokenText | None = None
         self._text_tried = False
+        self._blocks: dict[tuple[str, int], list[RowTokens]] = {}
+        self._lock = threading.Lock()
 
     def refresh(self) -> None:
         """Pick up indexes written since the last call."""
@@ -105,18 +108,32 @@ class TokenRecords:
 
     def read_block(self, part: TokenPart, entry: dict[str, Any]) -> list[RowTokens]:
         """A session's rows; ``ValueError`` for a damaged file (said in plain words)."""
-        path = self.root / f"{part.stem}.bin"
-        offset, size = int(entry["offset"]), int(entry["size"])
         try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(size)
-        except OSError as e:
-            raise ValueError(f"{path.name}: cannot be read ({e})") from None
-        if len(data) != size:
-            raise ValueError(f"{path.name} ends before the block its index names (cut short?)")
-        shapes = [(int(r["n"]), int(r["k"])) for r in entry["rows"]]
-        return decode_block(data, shapes)
+            block = part.index["blocks"][int(entry["block"])]
+            start = int(entry["start"])
+            offset, size = int(block["offset"]), int(block["size"])
+            shapes = [(int(n), int(k)) for n, k in block["shapes"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError(f"{part.stem}.json: the index does not describe this block") from None
+        key = (part.stem, int(entry["block"]))
+        with self._lock:
+            rows = self._blocks.get(key)
+        if rows is None:
+            path = self.root / f"{part.stem}.bin"
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(size)
+            except OSError as e:
+                raise ValueError(f"{path.name}: cannot be read ({e})") from None
+            if len(data) != size:
+                raise ValueError(f"{path.name} ends before the block its index names (cut short?)")
+            rows = decode_block(data, shapes)
+            with self._lock:
+                self._blocks[key] = rows
+                while len(self._blocks) > 64:  # a few groups' blocks: what pages read again
+                    self._blocks.pop(next(iter(self._blocks)))
+        return rows[start : start + len(entry["rows"])]
 
     def text(self, run_dir: Path) -> TokenText | None:
         """The run's tokenizer, when the run saved one (or a checkpoint holds one)."""

@@ -188,6 +188,7 @@ def test_write_part_then_read_it_back(tmp_path):
     assert recs.steps() == [1]
     part = recs.parts_of(1)[0]
     assert part.index["rows"] == 16 and len(part.sessions) == 4
+    assert len(part.index["blocks"]) == 2  # one block per GRPO group
     sid = run.sessions[1][1]
     ((got_part, entry),) = recs.session_entries(1, sid)
     rows = recs.read_block(got_part, entry)
@@ -211,7 +212,7 @@ def test_a_damaged_token_block_is_an_error_in_words(tmp_path):
     part = recs.parts_of(1)[0]
     entry = part.sessions[0]
     bin_path = run.path / "tokens" / f"{part.stem}.bin"
-    bin_path.write_bytes(bin_path.read_bytes()[: entry["size"] // 2])
+    bin_path.write_bytes(bin_path.read_bytes()[: part.index["blocks"][0]["size"] // 2])
     with pytest.raises(ValueError, match="cut short"):
         recs.read_block(part, entry)
 

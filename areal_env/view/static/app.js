@@ -405,9 +405,9 @@ function SessionPage({ run, sid, single }) {
     return out;
   }, [data]);
   useEffect(() => {
-    if (!data || selected) return;
+    if (!data || selected || rowKey) return;
     const first = data.nodes.find((n) => n.rows.length);
-    if (first) { setSelected(first.id); setRowKey(first.rows[0]); }
+    if (first) { setSelected(first.id); setRowKey(first.rows[0]); } else if (data.rows.length) setRowKey(data.rows[0].key);
   }, [data]);
   const select = (id) => { setSelected(id); const n = byId[id]; setRowKey(n && n.rows.length ? n.rows[0] : null); };
   const s = data && data.session;
@@ -426,13 +426,16 @@ function SessionPage({ run, sid, single }) {
       <div class="tree" data-testid="tree">${data.nodes.map((n, i) => html`<${Node} key=${n.id} node=${n} index=${i} byId=${byId} selected=${n.id === selected} onSelect=${select} />`)}
         ${data.nodes.length === 0 && html`<p class="note">This episode made no model call.</p>`}</div>
       <div class="tokens-pane">
+        ${data.rows.some((r) => !r.row_id) && html`<div class="small" data-testid="unlinked-rows">rows not linked to a completion:
+          ${data.rows.filter((r) => !r.row_id).map((r) => html`<button class=${`link ${r.key === rowKey ? "on" : ""}`} onClick=${() => { setSelected(null); setRowKey(r.key); }}>${r.key}</button> `)}</div>`}
+        ${!node && rowKey && html`<${TokenView} run=${run} sid=${sid} rowKey=${rowKey} />`}
         ${node ? html`<div>
             <h3>Tokens of #${byId[selected].index + 1}</h3>
             ${node.rows.length > 1 && html`<div class="small">rows containing it: ${node.rows.map((k) => html`<button class=${`link ${k === rowKey ? "on" : ""}`} onClick=${() => setRowKey(k)}>${k}</button> `)}</div>`}
             ${rowKey ? html`<${TokenView} run=${run} sid=${sid} rowKey=${rowKey} />`
               : html`<p class="note" data-testid="no-tokens">No token record for this completion (the run did not write one: rollout.dump_to_file off, an older version, or the update has not happened yet).</p>`}
           </div>`
-          : html`<p class="note">Select a completion to see its tokens.</p>`}
+          : !rowKey && html`<p class="note">Select a completion to see its tokens.</p>`}
       </div>
     </div>`}
   </div>`;

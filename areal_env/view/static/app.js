@@ -163,7 +163,7 @@ function Chart({ title, xs, ys, onPick }) {
       cursor: { drag: { x: false, y: false } },
       axes: [
         { label: "step", size: 34, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
-        { size: 70, values: (u, splits) => splits.map(num) },
+        { size: 80, values: (u, splits) => splits.map(num) },
       ],
       series: [{}, { label: title, stroke: "#2f6fdf", width: 2, points: { size: 5, show: true }, spanGaps: true }],
     };
@@ -274,7 +274,7 @@ function OverviewPage({ run, single }) {
     <${ErrorBox} error=${ov.error} />
     ${o && html`<p class="status" data-testid="run-status">
       ${live ? html`<${Badge} kind="live">training<//>` : html`<${Badge} kind="muted">stopped<//>`}
-      step <b data-testid="last-step">${o.status.last_step}</b>${o.status.total_steps ? ` of ${o.status.total_steps}` : ""}
+      step <b data-testid="last-step">${o.status.last_step}</b>${o.status.total_steps ? ` of ${o.status.total_steps}` : ""}${" "}
       · ${o.sessions} episodes dumped · token record: ${o.token_record.steps} step(s), ${(o.token_record.bytes / 1024).toFixed(0)} KiB
       · updated ${ago(o.status.age_s)}</p>`}
     ${o && o.warnings.length > 0 && html`<div class="warn" data-testid="warnings"><b>Note:</b><ul>${o.warnings.map((w) => html`<li>${w}</li>`)}</ul></div>`}

@@ -224,7 +224,8 @@ class RolloutConfig:
     export_style: Literal["individual", "concat"] = "individual"
     """individual = one row per completion; concat = one row per leaf path."""
     dump_to_file: bool = True
-    """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl."""
+    """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl and each update's
+    per-token record to run_dir/tokens/ (what ``areal-env view`` shows; docs/viewer.md)."""
 
     def validate(self) -> None:
         for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +74,9 @@ from areal_env.trainer.tree import (
     tree_supported,
     tree_token_logprobs,
 )
+
+if TYPE_CHECKING:
+    from areal_env.trainer.token_record import UpdateTrace
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,9 @@ class PPOActor:
             )
         self.update_count = 0
         self._warned_temp = False
+        self.trace: UpdateTrace | None = None
+        """The token record's hook (``rollout.dump_to_file``, rank 0): sees each update's
+        prepared batch and every micro-batch's logprobs and clip flags. Never changes them."""
 
     def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
@@ -353,7 +359,7 @@ class PPOActor:
                 stats["actor/behav_prox_logp_diff"] = float((old - behav)[mask].abs().mean())
         ref = self.compute_logprobs(batch, self.ref_model) if self.ref_model is not None else None
         stats["time/recompute_s"] = time.perf_counter() - t0
-        return PreparedBatch(
+        pb = PreparedBatch(
             input_ids=batch["input_ids"].long(),
             attention_mask=attn,
             mask=mask,
@@ -365,6 +371,9 @@ class PPOActor:
             stats=stats,
             temps=self.row_temperatures(batch),
         )
+        if self.trace is not None:
+            self.trace.prepared(batch, pb)
+        return pb
 
     # -- update -----------------------------------------------------------------------------
 
@@ -518,6 +527,8 @@ class PPOActor:
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
+        if self.trace is not None:
+            self.trace.scored(rows, m, logp, diag["clipped"])
         out = {k: float(v.sum()) for k, v in diag.items()}
         out["log_ratio_max"] = float((logp.detach() - old).abs().max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0

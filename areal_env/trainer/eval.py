@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_env.api.records import field_dict
-from areal_env.trainer.stats import dump_records
+from areal_env.trainer.stats import conversation_fields, dump_records
 
 logger = logging.getLogger(__name__)
 
@@ -310,10 +310,11 @@ class Evaluator:
                             "parent_id": it.get("parent_id"),
                             "prompt": it.get("prompt_text"),
                             "completion": it.get("completion_text"),
-                            "tool_calls": it.get("tool_calls"),
                             "stop_reason": it.get("stop_reason"),
                             "prompt_len": it.get("num_prompt_tokens"),
                             "completion_len": it.get("num_output_tokens"),
+                            "reward": it.get("reward"),
+                            **conversation_fields(it),
                         }
                     )
             dump_records(root, lines)

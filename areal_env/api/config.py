@@ -457,6 +457,10 @@ class ExperimentConfig:
     """JSONL path of the training data (when using the CLI)."""
     valid_dataset: str | None = None
     """JSONL path of evaluation data (optional)."""
+    extra_valid_datasets: dict[str, str] = field(default_factory=dict)
+    """More held-out sets, evaluated beside ``valid_dataset`` and reported apart
+    (``eval/<name>/...``): a name -> a JSONL path, e.g. ``{new_phrasing: valid_new.jsonl}`` to
+    see whether a gain holds on phrasings the training data never uses."""
 
     @property
     def run_dir(self) -> Path:
@@ -467,6 +471,16 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not value or "/" in value or value in (".", ".."):
                 raise ConfigError(f"{name}={value!r} must be a non-empty name without '/'")
+        for name in self.extra_valid_datasets:
+            if not name or "/" in name:
+                raise ConfigError(
+                    f"extra_valid_datasets: {name!r} is not a usable set name (a non-empty name "
+                    "without '/': it becomes a metric prefix, eval/<name>/success_rate)"
+                )
+        if self.extra_valid_datasets and not self.valid_dataset:
+            raise ConfigError(
+                "extra_valid_datasets are evaluated beside valid_dataset: set valid_dataset too"
+            )
 
 
 def load_config(

@@ -411,15 +411,15 @@ class PPOTrainer:
         return step == total or bool(freq and step % freq == 0)
 
     async def _evaluate(self) -> dict[str, float]:
-        """Held-out evaluation (greedy, ``is_eval``): ``eval/*`` metrics (see
-        ``areal_env.trainer.eval``)."""
+        """Held-out evaluation (greedy, ``is_eval``): ``eval/*`` metrics, and
+        ``eval/<set>/*`` for each of ``extra_valid_datasets`` (see ``areal_env.trainer.eval``)."""
         assert self.evaluator is not None
         # The update's freed activations are still in the heap: give them back first, or the
         # evaluation's KV cache comes on top of them (the demo's last step, the one with an
         # evaluation, peaked 0.6 GB above the others).
         memory.release_free_memory()
         result = await self.evaluator.evaluate(version=self.version, step=self.step)
-        return {f"eval/{k}": v for k, v in result.metrics.items()}
+        return {f"eval/{k}": v for k, v in result.flat_metrics().items()}
 
     def _save_checkpoint(self) -> Path:
         return self.books.save(self.position, self._actor, self.tokenizer, self.data)

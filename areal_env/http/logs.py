@@ -81,8 +81,9 @@ def configure_run_logging(
     console = _TqdmHandler()
     console.setFormatter(formatter)
     console.addFilter(_ConsoleFilter(tuple(progress)))
-    for h in (to_file, console):
-        h._areal_env_run_logging = True  # type: ignore[attr-defined]
+    handlers: list[logging.Handler] = [to_file, console]
+    for h in handlers:
+        setattr(h, "_areal_env_run_logging", True)  # noqa: B010 - a marker on a library class
         root.addHandler(h)
     for h in root.handlers:  # a basicConfig handler from before would print everything again
         if not getattr(h, "_areal_env_run_logging", False):

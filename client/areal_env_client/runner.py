@@ -202,7 +202,9 @@ class AgentRunner:
                 return
             except Exception as e:  # noqa: BLE001 - reported per item
                 res.errors[sample] = f"{type(e).__name__}: {e}"
-                if not budget.will_retry(e):
+                # A start that failed has already waited within the budget (AgentSession).
+                at_start = episode is not None and episode.session_id is None
+                if not budget.will_retry(e, before_session=at_start):
                     logger.warning("item %d sample %d failed: %s", res.index, sample, e)
                     return
                 if unsettled is None and episode is not None and episode.session_id:

@@ -133,7 +133,7 @@ async def test_a_group_that_trained_takes_no_more_members(tokenizer):
         await late.__aenter__()  # a member that will finalize after its group trained
         await _episode(url, "g")
         stack.source.group_timeout = 0.0  # g waited long enough: used with 1 of 2
-        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=10)
+        stats = (await stack.source.rollout_batch(trainer_version=0, step=1, timeout=10)).stats
         assert stats["groups/incomplete"] == 1
         async with httpx.AsyncClient(timeout=30) as h:
             r = await h.post(url + "/rl/v1/sessions", json={"group_id": "g"}, headers=_key())

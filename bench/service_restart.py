@@ -1,7 +1,7 @@
 """Stop, restart and kill ``areal-env serve-training`` while agents run: nothing lost, nothing dropped.
 
-    python bench/service_restart.py [--store sqlite|postgres|both] [--agents 3] [--items 12]
-        [--group 2] [--batch 2] [--restarts 6] [--seed 0] [--think 0.5] [--model tiny|default]
+    python bench/service_restart.py [--store sqlite|postgres|both] [--agents 3] [--items 48]
+        [--group 2] [--batch 2] [--restarts 6] [--seed 0] [--think 2] [--model tiny|default]
 
 ``--agents`` agent processes (``AgentRunner`` of the light client, each over its share of the
 ``--items`` items, ``--group`` samples per item, one GRPO group per item) train one service
@@ -123,12 +123,13 @@ class Server:
             self.log_file.flush()
 
     def said(self, text: str) -> str | None:
-        return next((x.strip() for x in self.lines if text in x), None)
+        """The first line that starts with ``text`` (the service's own words, not its logs)."""
+        return next((x.strip() for x in self.lines if x.startswith(text)), None)
 
     def wait_listening(self, timeout: float = 600) -> bool:
         """True once listening; False if it exited first (e.g. the trial already finished)."""
         deadline = time.monotonic() + timeout
-        while not self.said("any-agent server listening at"):
+        while not self.said("areal-env any-agent server listening at"):
             if self.proc.poll() is not None:
                 return False
             if time.monotonic() > deadline:
@@ -336,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--agents", type=int, default=3, help="agent processes")
     ap.add_argument("--concurrency", type=int, default=2, help="sessions at once per agent")
-    ap.add_argument("--items", type=int, default=12, help="items (one GRPO group each)")
+    ap.add_argument("--items", type=int, default=48, help="items (one GRPO group each)")
     ap.add_argument("--group", type=int, default=2, help="samples per item (rollout.n_samples)")
     ap.add_argument("--batch", type=int, default=2, help="groups per step (rollout.batch_size)")
     ap.add_argument("--restarts", type=int, default=6, help="stops (TERM/INT/KILL) and restarts")
     ap.add_argument("--min-delay", type=float, default=1.0, help="seconds after a start, at least")
-    ap.add_argument("--max-delay", type=float, default=12.0, help="... and at most")
-    ap.add_argument("--think", type=float, default=0.5, help="seconds each episode thinks")
+    ap.add_argument("--max-delay", type=float, default=6.0, help="... and at most")
+    ap.add_argument("--think", type=float, default=2.0, help="seconds each episode thinks")
     ap.add_argument("--drain-timeout", type=float, default=10.0, help="service.drain_timeout")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", choices=["tiny", "default"], default="tiny")

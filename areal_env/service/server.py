@@ -262,7 +262,7 @@ async def _drain(svc: TrainingService, shutdown: _Shutdown) -> None:
 def _stopped_message(step: int, resumed: int) -> str:
     trained = step - resumed
     done = f"{trained} trained in this run" if trained else "no step trained in this run"
-    saved = "; its checkpoint is saved" if step else ""
+    saved = f"; checkpoint step_{step} is saved" if step else ""
     return f"stopped at step {step} ({done}{saved}): run the same command again to resume"
 
 

@@ -145,7 +145,7 @@ async def test_a_group_that_trained_takes_no_more_members(tokenizer):
         with pytest.raises(AgentServiceError) as e:
             await late.finalize(1.0)
         assert e.value.status_code == 409 and "new group_id" in e.value.message
-        late._deactivate()
+        await late.__aexit__(None, None, None)  # the service failed it: adopted, not sent
         assert stack.source.num_pending_trajectories == 0  # no group of one
     finally:
         _stop(stack)
@@ -169,7 +169,7 @@ async def test_after_the_last_step_sessions_are_told_training_is_finished(tokeni
         with pytest.raises(AgentServiceError) as e:
             await open_one.finalize(1.0)  # would never be trained: not acknowledged
         assert e.value.status_code == 410
-        open_one._deactivate()
+        await open_one.__aexit__(None, None, None)
         with pytest.raises(AgentServiceError) as e:  # not retried: it will not come back
             async with AgentSession(url, ALICE, group_id="z"):
                 pass

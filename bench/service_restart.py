@@ -25,7 +25,8 @@ The last line printed is JSON: ``{"sqlite": {...}, "postgres": {...}, "lost": N,
 The default model is a tiny random Llama with the default model's tokenizer (the bench counts
 samples, not what a model learns; ``--model default`` runs SmolLM2-135M, slower). PostgreSQL is
 a throwaway server started from Debian's binaries (``apt-get install postgresql``), or
-``--postgres-url``. On a shared machine run it under the heavy-work lock.
+``--postgres-url``. Run folders and databases are removed at the end unless ``--keep``. On a
+shared machine run it under the heavy-work lock.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -188,6 +190,14 @@ def _fresh_database(server_url: str) -> str:
     return server_url.rsplit("/", 1)[0] + "/" + name
 
 
+def _drop_database(server_url: str | None, store: str) -> None:
+    import psycopg
+
+    assert server_url is not None
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {store.rsplit('/', 1)[1]}")
+
+
 def run_once(args: argparse.Namespace, store_kind: str, postgres_url: str | None) -> dict:
     rng = random.Random(f"{args.seed}-{store_kind}")
     work = Path(tempfile.mkdtemp(prefix=f"service-restart-{store_kind}-"))
@@ -308,6 +318,10 @@ def run_once(args: argparse.Namespace, store_kind: str, postgres_url: str | None
         json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x
     ]
     starts = [s.said("service store") for s in servers]
+    if not args.keep:  # checkpoints of every step: hundreds of MB
+        shutil.rmtree(work, ignore_errors=True)
+        if store:
+            _drop_database(postgres_url, store)
     return {
         "store": store_kind,
         "attempted": args.items * args.group,
@@ -328,7 +342,7 @@ def run_once(args: argparse.Namespace, store_kind: str, postgres_url: str | None
         "store_at_last_start": starts[-1],
         "errors": sorted({err for _, err in samples if err is not None})[:5],
         "wall_s": round(wall, 1),
-        "work_dir": str(work),
+        "work_dir": str(work) if args.keep else None,
     }
 
 
@@ -349,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=["tiny", "default"], default="tiny")
     ap.add_argument("--postgres-url", default=None, help="a PostgreSQL server to use")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the agents")
+    ap.add_argument("--keep", action="store_true", help="keep the run folders and databases")
     ap.add_argument("--agent-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.agent_worker is not None:

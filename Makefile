@@ -8,13 +8,25 @@ STAMP := $(VENV)/.installed
 # the aenvironment SDK pins pydantic<2.12 / mcp<2 / fastmcp<3, the core runs on current SDKs.
 AENV_VENV ?= .venv-aenv
 AENV_STAMP := $(AENV_VENV)/.installed
+# An MCP server published with other pins than the core (mcp-server-sqlite needs mcp<2, the core
+# runs mcp 2.x) runs from a venv of its own, as users run theirs; the test that trains through it
+# (tests/unit/test_mcp_own_venv.py) uses this one.
+MCP_SQLITE_VENV ?= .venv-mcp-sqlite
+MCP_SQLITE_STAMP := $(MCP_SQLITE_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-aenv demo test test-fast test-gpu lint typecheck format bench clean
+.PHONY: venv venv-aenv venv-mcp-sqlite demo test test-fast test-gpu lint typecheck format bench clean
 
-venv: $(STAMP) $(AENV_STAMP)
+venv: $(STAMP) $(AENV_STAMP) $(MCP_SQLITE_STAMP)
 
 venv-aenv: $(AENV_STAMP)
+
+venv-mcp-sqlite: $(MCP_SQLITE_STAMP)
+
+$(MCP_SQLITE_STAMP):
+	test -x $(MCP_SQLITE_VENV)/bin/python || $(PYTHON) -m venv $(MCP_SQLITE_VENV)
+	$(MCP_SQLITE_VENV)/bin/python -m pip install -q "mcp-server-sqlite==2025.4.25" "mcp<2"
+	touch $(MCP_SQLITE_STAMP)
 
 $(AENV_STAMP):
 	test -x $(AENV_VENV)/bin/python || $(PYTHON) -m venv $(AENV_VENV)
@@ -62,4 +74,4 @@ format: venv
 	$(VENV)/bin/ruff check --fix areal_env tests bench agents examples
 
 clean:
-	rm -rf $(VENV) $(AENV_VENV) .pytest_cache outputs
+	rm -rf $(VENV) $(AENV_VENV) $(MCP_SQLITE_VENV) .pytest_cache outputs

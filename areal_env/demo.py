@@ -83,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fileroot is not None:
         overrides.append(f"fileroot={args.fileroot}")
     cfg = load_config(ExperimentConfig, config, overrides)
-    from areal_env.trainer.cli import resolve_paths
     from areal_env.trainer.ppo import PPOTrainer
 
-    cfg = resolve_paths(cfg, config)
     t0 = time.monotonic()
     print(
         f"areal-env demo: {cfg.trainer.total_train_steps} GRPO steps of "

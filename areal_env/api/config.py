@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from areal_env.api.config_load import config_from_dict, read_config_data
+from areal_env.api.config_load import (
+    check_config_paths,
+    config_from_dict,
+    path_field,
+    read_config_data,
+)
 from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.api.io import GenerationConfig
 from areal_env.api.service_config import ServiceConfig
@@ -26,18 +31,28 @@ T = TypeVar("T")
 # Sections
 # --------------------------------------------------------------------------------------------
 
+WORKFLOW_KWARGS_PATHS: dict[str, Any] = {
+    "reward_fn": "import",
+    "mcp_config.command": "command",
+    "mcp_config.cwd": "workdir",
+    "aenv_config.server_python": "command",
+}
+"""Paths inside ``workflow_kwargs`` (the options of ``AenvAgent`` and the ready agents): a
+``reward_fn`` file, an MCP server's command and working folder (a stdio server starts in the
+config file's folder unless ``cwd`` says otherwise), the aenvironment servers' interpreter."""
+
 
 @dataclass
 class ModelConfig:
     """Which model to load and how."""
 
-    path: str = "smollm2-135m-instruct"
+    path: str = path_field("model", default="smollm2-135m-instruct")
     """A known model name (see ``areal_env.engine.models``) or a local HF folder."""
     dtype: str = "auto"
     """auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
-    cache_dir: str | None = None
+    cache_dir: str | None = path_field("dir", default=None)
     """Where converted models live (default: $AREAL_ENV_CACHE or ~/.cache/areal_env)."""
     max_context_len: int | None = None
     """Cap on prompt + completion tokens (default: the model's own limit)."""
@@ -77,7 +92,7 @@ class SGLangConfig:
     """Passed to sglang.launch_server (--mem-fraction-static)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for sglang.launch_server, verbatim."""
-    log_dir: str | None = None
+    log_dir: str | None = path_field("dir", default=None)
     """Server log folder (default: run_dir/logs/servers)."""
     startup_timeout: float = 600.0
     """Seconds to wait for a launched server to become healthy."""
@@ -434,8 +449,9 @@ class ExperimentConfig:
     """Name of the experiment; outputs go to fileroot/experiment_name/trial_name."""
     trial_name: str = "trial0"
     """Name of this run of the experiment (checkpoints are resumed per trial)."""
-    fileroot: str = "./outputs"
-    """Root folder of all outputs (metrics, plots, dumps, checkpoints)."""
+    fileroot: str = path_field("dir", default="./outputs")
+    """Root folder of all outputs (metrics, plots, dumps, checkpoints). Like every path in a
+    config file, relative to the file's folder; the default, to the working directory."""
     seed: int = 1
     """Seed of data shuffling, sampling and initialisation."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -449,13 +465,15 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     """The any-agent training service (``areal-env serve-training``)."""
-    workflow: str | None = None
+    workflow: str | None = path_field("import", default=None)
     """Import string of the agent/workflow (``pkg.mod:Attr`` or ``path.py:Attr``)."""
-    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the workflow/agent class."""
-    train_dataset: str | None = None
+    workflow_kwargs: dict[str, Any] = path_field(WORKFLOW_KWARGS_PATHS, default_factory=dict)
+    """Keyword arguments for the workflow/agent class. Paths in it (``reward_fn``,
+    ``mcp_config.command`` and ``cwd``, ``aenv_config.server_python``) are relative to the
+    config file like every other path; a stdio MCP server starts in the file's folder."""
+    train_dataset: str | None = path_field("file", default=None)
     """JSONL path of the training data (when using the CLI)."""
-    valid_dataset: str | None = None
+    valid_dataset: str | None = path_field("file", default=None)
     """JSONL path of evaluation data (optional)."""
     extra_valid_datasets: dict[str, str] = field(default_factory=dict)
     """More held-out sets, evaluated beside ``valid_dataset`` and reported apart
@@ -488,5 +506,9 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     overrides: list[str] | None = None,
 ) -> T:
-    """Load ``cls`` from an optional YAML file plus dotted overrides, then validate it."""
-    return config_from_dict(cls, read_config_data(path, overrides))
+    """Load ``cls`` from an optional YAML file plus dotted overrides, then validate it. Relative
+    paths in the file are relative to its folder; every declared path is checked now (a missing
+    dataset, agent file, reward file or MCP server command fails before a model loads)."""
+    cfg = config_from_dict(cls, read_config_data(path, overrides, cls))
+    check_config_paths(cfg)
+    return cfg

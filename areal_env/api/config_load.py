@@ -2,14 +2,24 @@
 command-line values to the annotated types, building nested dataclasses, running each section's
 ``validate()``, and parsing dotted overrides. Errors are ``ConfigError`` naming the bad key and
 value (an unknown key lists the valid ones). ``config.load_config`` is the entry point.
+
+Paths: a field declares that it holds a path with ``path_field(kind)`` (or, for a free-form
+mapping such as ``workflow_kwargs``, the dotted keys inside it that do). A relative path written
+in a config file is relative to that file's folder, wherever the command runs; one given on the
+command line (a dotted override) or left at its default is relative to the working directory.
+``check_config_paths`` then reports a missing file, script or executable at config time, before
+anything heavy (a model) is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -18,6 +28,173 @@ import yaml
 from areal_env.api.errors import ConfigError
 
 T = TypeVar("T")
+
+CONFIG_PATH = "config_path"
+"""Field metadata key: how the field's value is a path (a ``PathKind``), or, for a mapping
+field, ``{dotted key inside it: PathKind}``."""
+
+PathKind = Literal["file", "dir", "workdir", "import", "command", "model", "store"]
+"""``file``: must exist. ``dir``: a folder (made when needed). ``workdir``: the working folder
+of a process the section starts; must exist, and defaults to the config file's folder when the
+section has a ``command``. ``import``: ``file.py:Attr`` (the file must exist) or a module path
+(left alone). ``command``: an executable; a name without ``/`` is looked up on ``PATH`` (then
+beside the running interpreter), a path is relative like any other. ``model``: a model name or
+a local folder (relative only if that folder exists). ``store``: a SQLite path or
+``sqlite:///path`` (a URL of another scheme is left alone)."""
+
+
+def path_field(kind: PathKind | dict[str, PathKind], **kwargs: Any) -> Any:
+    """``dataclasses.field(**kwargs)`` that holds a path of ``kind`` (see ``PathKind``)."""
+    return dataclasses.field(metadata={CONFIG_PATH: kind}, **kwargs)
+
+
+def find_command(command: str) -> str | None:
+    """The executable ``command`` runs: a path as it is (if it is an executable file), a bare
+    name on ``PATH`` or else beside the running interpreter (console scripts of the same venv
+    when it is not activated); None if there is none. ``python`` is the running interpreter."""
+    if command in ("python", "python3"):
+        return sys.executable
+    if os.sep in command or (os.altsep and os.altsep in command):
+        path = Path(command).expanduser().absolute()
+        return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+    found = shutil.which(command)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / command
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
+def _import_file(spec: str) -> tuple[str, str] | None:
+    """``(file, attr)`` of an import string that names a file (``path.py:Attr``), else None."""
+    if ":" not in spec:
+        return None
+    left, attr = spec.rsplit(":", 1)
+    if left.endswith(".py") or os.sep in left or "/" in left:
+        return left, attr
+    return None
+
+
+def _relocate(kind: str, value: Any, base: Path) -> Any:
+    """``value`` (written in a config file in ``base``) with a relative path made absolute."""
+    if not isinstance(value, str) or not value:
+        return value
+
+    def rel(path: str) -> str:
+        p = Path(path).expanduser()
+        return str(p) if p.is_absolute() else str(base / p)
+
+    if kind in ("file", "dir", "workdir"):
+        return rel(value)
+    if kind == "import":
+        ref = _import_file(value)
+        return value if ref is None else f"{rel(ref[0])}:{ref[1]}"
+    if kind == "command":
+        return rel(value) if "/" in value or os.sep in value else value
+    if kind == "model":
+        return rel(value) if (base / value).exists() else value
+    if kind == "store":
+        if value.startswith("sqlite:///"):
+            return "sqlite:///" + rel(value.removeprefix("sqlite:///"))
+        return value if "://" in value or value == ":memory:" else rel(value)
+    raise ValueError(f"unknown path kind {kind!r}")
+
+
+def _nested(data: Any, dotted: str) -> tuple[dict[str, Any], str] | None:
+    """The mapping holding the last part of ``dotted`` inside ``data``, and that part's name."""
+    *parents, name = dotted.split(".")
+    for part in parents:
+        if not isinstance(data, dict) or not isinstance(data.get(part), dict):
+            return None
+        data = data[part]
+    return (data, name) if isinstance(data, dict) else None
+
+
+def relocate_paths(cls: type, data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of ``data`` (the mapping of config file in folder ``base``, for dataclass
+    ``cls``) with every relative path its fields declare made absolute against ``base``."""
+    out = dict(data)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in out:
+            continue
+        kind = f.metadata.get(CONFIG_PATH)
+        tp = hints[f.name]
+        if isinstance(kind, str):
+            out[f.name] = _relocate(kind, out[f.name], base)
+        elif isinstance(kind, Mapping) and isinstance(out[f.name], dict):
+            out[f.name] = _relocate_inside(out[f.name], kind, base)
+        elif dataclasses.is_dataclass(tp) and isinstance(out[f.name], dict):
+            assert isinstance(tp, type)
+            out[f.name] = relocate_paths(tp, out[f.name], base)
+    return out
+
+
+def _relocate_inside(
+    mapping: dict[str, Any], kinds: Mapping[str, str], base: Path
+) -> dict[str, Any]:
+    import copy
+
+    out = copy.deepcopy(mapping)
+    for dotted, kind in kinds.items():
+        found = _nested(out, dotted)
+        if found is None:
+            continue
+        holder, name = found
+        if name in holder:
+            holder[name] = _relocate(kind, holder[name], base)
+        elif kind == "workdir" and holder.get("command"):
+            holder[name] = str(base)  # the process starts in the config file's folder
+    return out
+
+
+def _path_problem(kind: str, value: Any) -> str | None:
+    """Why ``value`` (a path of ``kind``) cannot be used, or None."""
+    if not isinstance(value, str) or not value:
+        return None
+    if kind == "file" and not Path(value).expanduser().is_file():
+        return f"file {str(Path(value).expanduser().absolute())!r} does not exist"
+    if kind == "workdir" and not Path(value).expanduser().is_dir():
+        return f"folder {str(Path(value).expanduser().absolute())!r} does not exist"
+    if kind == "import":
+        ref = _import_file(value)
+        if ref is not None and not Path(ref[0]).expanduser().is_file():
+            return f"file {str(Path(ref[0]).expanduser().absolute())!r} does not exist"
+    if kind == "command" and find_command(value) is None:
+        if "/" in value or os.sep in value:
+            return (
+                f"{str(Path(value).expanduser().absolute())!r} is not an executable file "
+                "(for a server in its own venv, give the path of its script or python)"
+            )
+        return (
+            f"no executable {value!r} on PATH or beside {sys.executable!r} (install it, or give "
+            "its path, e.g. a venv's bin/SCRIPT, or a launcher such as uvx)"
+        )
+    return None
+
+
+def check_config_paths(cfg: Any, prefix: str = "") -> None:
+    """``ConfigError`` for the first path of ``cfg`` (depth first) that names a missing file,
+    folder or executable, with the key, the resolved path and how paths are resolved."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        kind = f.metadata.get(CONFIG_PATH)
+        checks: list[tuple[str, str, Any]] = []
+        if isinstance(kind, str):
+            checks.append((prefix + f.name, kind, value))
+        elif isinstance(kind, Mapping) and isinstance(value, dict):
+            for dotted, inner in kind.items():
+                found = _nested(value, dotted)
+                if found is not None and found[1] in found[0]:
+                    checks.append((f"{prefix}{f.name}.{dotted}", inner, found[0][found[1]]))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_config_paths(value, prefix + f.name + ".")
+        for key, k, v in checks:
+            problem = _path_problem(k, v)
+            if problem is not None:
+                raise ConfigError(
+                    f"{key}={v!r}: {problem}. A relative path in a config file is relative to "
+                    "the file's folder; on the command line, to the working directory"
+                )
 
 
 def _type_name(tp: Any) -> str:
@@ -200,9 +377,13 @@ def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 
 def read_config_data(
-    path: str | os.PathLike[str] | None, overrides: list[str] | None = None
+    path: str | os.PathLike[str] | None,
+    overrides: list[str] | None = None,
+    cls: type | None = None,
 ) -> dict[str, Any]:
-    """The raw mapping of a YAML config file (optional) with dotted overrides merged in."""
+    """The raw mapping of a YAML config file (optional) with dotted overrides merged in. With
+    ``cls`` (the dataclass it is for), the file's relative paths are made absolute against the
+    file's folder (``relocate_paths``); the overrides' stay relative to the working directory."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -215,6 +396,8 @@ def read_config_data(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded
+        if cls is not None:
+            data = relocate_paths(cls, data, p.resolve().parent)
     if overrides:
         data = _merge(data, parse_overrides(overrides))
     return data

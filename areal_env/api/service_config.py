@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from areal_env.api.config_load import path_field
 from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.http.net import is_loopback
 
@@ -28,7 +29,7 @@ class ServiceConfig:
     """0 = pick a free port."""
     api_keys: list[str] = field(default_factory=list)
     """User API keys accepted as ``Authorization: Bearer KEY`` (or ``x-api-key``)."""
-    key_file: str | None = None
+    key_file: str | None = path_field("file", default=None)
     """A file with one user key per line (``#`` comments allowed), read at start."""
     admin_key: str | None = None
     """Service admin key (issues user keys via ``POST /admin/keys``); None = generated."""
@@ -64,7 +65,7 @@ class ServiceConfig:
     """Seconds ``POST /rl/v1/sessions`` waits for an admission slot before answering 429."""
     request_timeout: float = 3600.0
     """Read timeout of forwarded model calls (generation can be slow)."""
-    store: str | None = None
+    store: str | None = path_field("store", default=None)
     """Durable service state (keys, sessions, acknowledged trajectories): a SQLite file path
     or ``sqlite:///path``, or ``postgresql://user:pass@host/db`` (``pip install
     'areal-env[postgres]'``) for gateways on several hosts. None = ``RUN_DIR/service.db``."""
@@ -86,9 +87,9 @@ class ServiceConfig:
     """On shutdown: seconds open sessions may still finish (and be kept) before the exit."""
     drain_retry_after: float = 30.0
     """Retry-After (seconds) of the 503 that refuses new sessions while shutting down."""
-    ssl_keyfile: str | None = None
+    ssl_keyfile: str | None = path_field("file", default=None)
     """TLS private key (PEM) passed to uvicorn; with ``ssl_certfile`` the service speaks https."""
-    ssl_certfile: str | None = None
+    ssl_certfile: str | None = path_field("file", default=None)
     """TLS certificate file (with ssl_keyfile) for HTTPS."""
 
     def request_rate(self) -> tuple[float, int] | None:

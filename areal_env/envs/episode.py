@@ -141,7 +141,11 @@ def resolve_reward_fn(reward_fn: Callable[..., Any] | str | None) -> Callable[..
         try:
             fn = import_string(reward_fn)
         except (ImportError, AttributeError) as e:
-            raise ImportError(f"cannot import reward_fn {reward_fn!r}: {e}") from e
+            raise ImportError(
+                f"cannot import reward_fn {reward_fn!r}: {e} (a relative 'file.py:fn' given in "
+                f"code is relative to the working directory, {os.getcwd()}; in a config file, "
+                "to the file's folder)"
+            ) from e
         if not callable(fn):
             raise TypeError(f"reward_fn {reward_fn!r} is not callable")
         return fn

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from areal_env.api.service_config import ServiceConfig
+from areal_env.api.source import SourceClosedError
 from areal_env.http import routes
 from areal_env.http.net import bind_socket, url_host
 from areal_env.http.runner import ServerThread
@@ -35,10 +36,8 @@ from areal_env.service.auth import QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, NoBackendError
 from areal_env.service.forwarding import Forwarder
 from areal_env.service.gateway_routes import build_app
-from areal_env.service.sessions import (
-    GatewaySession,
-    ServiceError,
-)
+from areal_env.service.sessions import GatewaySession, ServiceError
+from areal_env.service.source import GroupClosedError
 from areal_env.service.store import SessionRecord
 
 logger = logging.getLogger(__name__)
@@ -60,12 +59,7 @@ class Gateway(Forwarder):
         persist: bool = True,
     ) -> GatewaySession:
         if self.draining:
-            self.counters["rejected_draining"] += 1
-            raise ServiceError(
-                503,
-                "the service is shutting down and takes no new sessions; retry after it restarts",
-                retry_after=self.config.drain_retry_after,
-            )
+            raise self._refusal_while_stopping()
         self._check_quota(user)
         try:
             self.keys.acquire(user)
@@ -75,8 +69,14 @@ class Gateway(Forwarder):
         admitted = False
         try:
             admit = getattr(self.source, "admit", None)
-            if admit is not None and getattr(self.source, "admission_control", False):
-                if not await admit(self.config.admission_timeout):
+            if admit is not None:
+                try:
+                    ok = await admit(group_id, self.config.admission_timeout)
+                except SourceClosedError as e:  # woken by the shutdown while it waited
+                    raise self._refusal_while_stopping() from e
+                except GroupClosedError as e:
+                    raise ServiceError(409, str(e), code="group_closed") from e
+                if not ok:
                     raise ServiceError(
                         429,
                         "the trainer has enough rollouts in flight for its staleness bound; "
@@ -88,7 +88,7 @@ class Gateway(Forwarder):
         except BaseException:
             self.keys.release(user)
             if admitted and self.source is not None:
-                self.source.release_admission()
+                self.source.release_admission(group_id)
             raise
         if persist:
             rec = SessionRecord(
@@ -106,6 +106,22 @@ class Gateway(Forwarder):
                 self._fail_session(sess, "could not record the session")
                 raise
         return sess
+
+    def _refusal_while_stopping(self) -> ServiceError:
+        """The answer to a session request once the service stops: 503 + Retry-After while it
+        will restart (a drain), 410 ``training_finished`` once training is over."""
+        self.counters["rejected_draining"] += 1
+        if self.finished is not None:
+            return ServiceError(
+                410,
+                f"training is finished ({self.finished}): this service starts no more sessions",
+                code="training_finished",
+            )
+        return ServiceError(
+            503,
+            "the service is shutting down and takes no new sessions; retry after it restarts",
+            retry_after=self.config.drain_retry_after,
+        )
 
     async def _start_on_backend(
         self, user: UserKey, group_id: str | None, task_id: str | None, metadata: dict
@@ -182,6 +198,14 @@ class Gateway(Forwarder):
 
         The answer is 200 only once the trajectory is in the store: an acknowledged trajectory
         survives any restart."""
+        if self.finished is not None and status == "ok":
+            # The last step has taken its batch: a trajectory stored now would never be trained.
+            self._fail_session(sess, "training is finished", retry=False)
+            raise ServiceError(
+                410,
+                f"training is finished ({self.finished}): this trajectory will not be trained",
+                code="training_finished",
+            )
         sess.state = "finalizing"
         reason = "finalized as failed by the client"
         try:
@@ -194,6 +218,9 @@ class Gateway(Forwarder):
                 elif resp.status_code >= 400:
                     code = resp.status_code
                     raise ServiceError(code, _backend_message(resp))
+                elif not sess.rewarded:
+                    sess.rewarded = True
+                    await asyncio.to_thread(self.store.update_session, sess.id, rewarded=True)
             resp = await self._session_post(sess, routes.END_SESSION, {})
             if resp.status_code >= 400 and resp.status_code not in (409, 410):
                 msg = f"ending the session failed: {_backend_message(resp)}"
@@ -229,10 +256,13 @@ class Gateway(Forwarder):
                 await self.source.aput(record, sess.group_id)  # durable before the 200
             else:
                 await asyncio.to_thread(self.store.update_session, sess.id, "done")
+        except GroupClosedError as e:
+            self._fail_session(sess, str(e), retry=False)
+            raise ServiceError(409, str(e), code="group_closed") from e
         except BaseException as e:
             if sess.state == "finalizing":
                 self._fail_session(sess, f"finalize failed: {e}")
-            if _is_source_closed(e):
+            if isinstance(e, SourceClosedError):
                 raise ServiceError(
                     503,
                     "the service is shutting down and cannot keep this trajectory; "
@@ -293,10 +323,6 @@ class Gateway(Forwarder):
 
     def _build_app(self) -> FastAPI:
         return build_app(self)
-
-
-def _is_source_closed(exc: BaseException) -> bool:
-    return type(exc).__name__ == "SourceClosedError"
 
 
 def _backend_message(resp: httpx.Response) -> str:
@@ -368,8 +394,11 @@ class GatewayServer:
         check_port(self.config.host, self.config.port)
         return self
 
-    def drain(self) -> None:
-        """Take no new sessions (503 + Retry-After); open ones may finish. Any thread."""
+    def drain(self, finished: str | None = None) -> None:
+        """Take no new sessions (503 + Retry-After; with ``finished``, the reason training is
+        over: 410 ``training_finished``); open ones may finish. Any thread."""
+        if finished is not None:
+            self.gateway.finished = finished
         self.gateway.draining = True
 
     @property

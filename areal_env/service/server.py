@@ -20,10 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from areal_env.api.config import ConfigError, ExperimentConfig, load_config
-from areal_env.api.config_load import config_from_dict, parse_overrides
 from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
 
@@ -35,43 +32,12 @@ logger = logging.getLogger(__name__)
 LISTENING = "areal-env any-agent server listening at {url}"
 
 
-@dataclasses.dataclass
-class _ServiceSection:
-    service: ServiceConfig = dataclasses.field(default_factory=ServiceConfig)
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = (
-            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-        )
-    return out
-
-
 def load_service_config(
     path: str | None, overrides: list[str] | None = None
 ) -> tuple[ExperimentConfig, ServiceConfig]:
-    """The experiment config and its ``service:`` section (also before the section is attached
-    to ``ExperimentConfig``: then it is split off the YAML and the overrides here)."""
-    if any(f.name == "service" for f in dataclasses.fields(ExperimentConfig)):
-        cfg = load_config(ExperimentConfig, path, overrides)
-        return cfg, cfg.service  # type: ignore[attr-defined]
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded
-    data = _deep_merge(data, parse_overrides(overrides or []))
-    service = data.pop("service", None) or {}
-    if not isinstance(service, dict):
-        raise ConfigError("service must be a mapping of fields")
-    wrapped = config_from_dict(_ServiceSection, {"service": service})  # errors say "service.x"
-    return config_from_dict(ExperimentConfig, data), wrapped.service
+    """The experiment config and its ``service:`` section."""
+    cfg = load_config(ExperimentConfig, path, overrides)
+    return cfg, cfg.service
 
 
 def _tokenizer_of(engine: Any, cfg: ExperimentConfig) -> Any:
@@ -135,6 +101,8 @@ class TrainingService(ServiceStack):
         self.gateway: Any = None
         self.source: Any = None
         self.store: Any = None
+        self.store_summary: Any = None
+        """What the store held at start (``StoreSummary``)."""
         self.resumed_step = 0
 
     def _start_parts(self) -> None:
@@ -143,7 +111,9 @@ class TrainingService(ServiceStack):
         from areal_env.service.source import ExternalTrajectorySource
         from areal_env.service.store import open_store, redact_url
 
-        self.store = open_store(self.service.store, self.cfg.run_dir)
+        run = f"{self.cfg.experiment_name}/{self.cfg.trial_name}"
+        self.store = open_store(self.service.store, self.cfg.run_dir, run=run)
+        self.store_summary = self.store.summary()
         logger.info("service store: %s", redact_url(self.store.url))
         self.source = ExternalTrajectorySource(
             self.cfg.rollout,
@@ -208,38 +178,65 @@ def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> PPOTrainer:
 
 
 class _Shutdown:
-    """Signal handling: the first SIGINT/SIGTERM drains, a second one exits within 5 s."""
+    """Signal handling: the first SIGINT/SIGTERM stops training cleanly (no new sessions, the
+    current step finishes and is checkpointed, open sessions may finish); a second one exits
+    at once with status 130 (within 4 s, even if a step is running in a worker thread)."""
 
-    def __init__(self, task: asyncio.Task, svc: TrainingService) -> None:
-        self.task = task
-        self.svc = svc
+    def __init__(self, drain_timeout: float) -> None:
+        self.drain_timeout = drain_timeout
         self.count = 0
-        self.requested = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        """The training task (cancelled by the second signal)."""
+        self.svc: TrainingService | None = None
+
+    def attach(self, svc: TrainingService) -> None:
+        """The service is up: a signal that came while it started stops it now."""
+        self.svc = svc
+        if self.count:
+            self._stop_intake()
+
+    def _stop_intake(self) -> None:
+        assert self.svc is not None
+        self.svc.gateway.drain()
+        self.svc.source.close()
 
     def __call__(self) -> None:
         self.count += 1
         if self.count == 1:
             print(
                 "shutting down: no new sessions; the current step finishes and is checkpointed, "
-                f"open sessions may finish for up to {self.svc.service.drain_timeout:.0f} s "
+                f"open sessions may finish for up to {self.drain_timeout:.0f} s "
                 "(Ctrl-C again to exit now)",
                 flush=True,
             )
-            self.svc.gateway.drain()
-            self.svc.source.close()
-            self.requested.set()
-        else:
-            print("exiting now", flush=True)
-            self.task.cancel()
-            self.requested.set()
+            if self.svc is not None:
+                self._stop_intake()
+        elif self.count == 2:
+            print("exiting now (status 130)", flush=True)
+            if self.task is not None:
+                self.task.cancel()
             # A step in a worker thread cannot be cancelled: leave anyway. The store is
             # transactional, so nothing acknowledged is lost.
-            killer = threading.Timer(4.0, os._exit, args=(130,))
+            killer = threading.Timer(4.0, os._exit, args=(EXIT_FORCED,))
             killer.daemon = True
             killer.start()
 
+    def install(self, loop: asyncio.AbstractEventLoop) -> list[signal.Signals]:
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform
+                pass
+        return installed
 
-async def _drain(svc: TrainingService, shutdown: _Shutdown | None) -> None:
+
+EXIT_FORCED = 130
+"""Exit status after a second Ctrl-C / SIGTERM (the shell's status for SIGINT)."""
+
+
+async def _drain(svc: TrainingService, shutdown: _Shutdown) -> None:
     """Let open sessions finish (their trajectories are stored) up to ``drain_timeout``."""
     svc.gateway.drain()
     deadline = time.monotonic() + svc.service.drain_timeout
@@ -247,7 +244,7 @@ async def _drain(svc: TrainingService, shutdown: _Shutdown | None) -> None:
     while True:
         left = await asyncio.to_thread(lambda: svc.gateway.open_sessions)
         remaining = deadline - time.monotonic()
-        if left == 0 or remaining <= 0 or (shutdown is not None and shutdown.count > 1):
+        if left == 0 or remaining <= 0 or shutdown.count > 1:
             break
         if time.monotonic() - last_print >= 5.0:
             print(
@@ -262,40 +259,49 @@ async def _drain(svc: TrainingService, shutdown: _Shutdown | None) -> None:
         print("drained: every open session finished", flush=True)
 
 
-async def _train(cfg: ExperimentConfig, svc: TrainingService) -> dict[str, Any] | None:
+def _stopped_message(step: int, resumed: int) -> str:
+    trained = step - resumed
+    done = f"{trained} trained in this run" if trained else "no step trained in this run"
+    saved = f"; checkpoint step_{step} is saved" if step else ""
+    return f"stopped at step {step} ({done}{saved}): run the same command again to resume"
+
+
+async def _train(cfg: ExperimentConfig, svc: TrainingService, shutdown: _Shutdown) -> int:
     """``PPOTrainer`` on the service's trajectory source and engine, until ``total_train_steps``
-    or a signal (see ``_Shutdown``); then the gateway drains. Returns the final metrics (None if
-    cancelled)."""
+    or a signal (see ``_Shutdown``); then the gateway drains. Returns the exit status."""
     trainer = _service_trainer(cfg, svc)
-    loop = asyncio.get_running_loop()
-    task = asyncio.create_task(trainer.atrain())
-    shutdown = _Shutdown(task, svc)
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, shutdown)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError):  # not the main thread / platform
-            pass
+    shutdown.task = task = asyncio.create_task(trainer.atrain())
+
+    def step() -> int:  # before the trainer restored its checkpoint, the step it resumes at
+        return max(int(getattr(trainer, "step", 0)), svc.resumed_step)
+
     try:
         try:
             result = await task
         except asyncio.CancelledError:
-            logger.info("interrupted: shutting down")
-            return None
-        finally:
-            trainer.close()  # metrics files; the engine stays with the service
-        svc.gateway.drain()  # before anyone can read "finished": no session starts after it
-        if result is not None:
             print(
-                f"training finished: step {result.get('step')}, version {result.get('version')}",
+                f"exited at step {step()}: a step in progress is not saved; run the same "
+                "command again to resume from the last checkpoint",
                 flush=True,
             )
+            return EXIT_FORCED
+        finally:
+            trainer.close()  # metrics files; the engine stays with the service
+        total = cfg.trainer.total_train_steps
+        if shutdown.count == 0 and total is not None and step() >= total:
+            # Before anyone can read "finished": no session starts after it, and sessions
+            # waiting for admission are told that training is over.
+            svc.gateway.drain(finished=f"{step()} of trainer.total_train_steps={total} steps")
+            svc.source.close()
+            version = (result or {}).get("version", getattr(trainer, "version", None))
+            print(f"training finished: step {step()} of {total}, version {version}", flush=True)
+        else:
+            svc.gateway.drain()
+            print(_stopped_message(step(), svc.resumed_step), flush=True)
         await _drain(svc, shutdown)
-        return result
+        return EXIT_FORCED if shutdown.count > 1 else 0
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        shutdown.task = None
 
 
 def _write_secret(path: Path, value: str) -> None:
@@ -337,31 +343,52 @@ def finished_message(cfg: ExperimentConfig) -> str | None:
 
 
 async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
+    """Run the service until training finishes (0) or a signal stops it (0 after a clean stop,
+    130 after a second signal); 2 when it cannot start (busy port, another run's store, a
+    finished trial)."""
     from areal_env.service.gateway import PortInUseError
+    from areal_env.service.store import StoreInUseError, redact_url
 
     done = finished_message(cfg)
     if done is not None:
         print(f"areal-env serve-training: {done}", file=sys.stderr, flush=True)
         return 2
     service = _admin_key(cfg, service)
+    loop = asyncio.get_running_loop()
+    shutdown = _Shutdown(service.drain_timeout)
+    installed = shutdown.install(loop)  # a signal while the model loads stops the start too
     try:
-        svc = await asyncio.to_thread(TrainingService(cfg, service).start)
-    except PortInUseError as e:
-        print(f"areal-env serve-training: {e.strerror}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        print(LISTENING.format(url=svc.base_url), flush=True)
-        if cfg.service.admin_key is None and service.admin_key is not None:
+        try:
+            svc = await asyncio.to_thread(TrainingService(cfg, service).start)
+        except (PortInUseError, StoreInUseError) as e:
+            message = e.strerror if isinstance(e, PortInUseError) else str(e)
+            print(f"areal-env serve-training: {message}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            shutdown.attach(svc)
+            print(LISTENING.format(url=svc.base_url), flush=True)
             print(
-                f"service admin key (issues user keys) in {cfg.run_dir / 'service_admin_key'}",
+                f"service store {redact_url(svc.store.url)}: {svc.store_summary.describe()}",
                 flush=True,
             )
-        if svc.gateway.gateway.open_mode:
-            print("no user keys configured: any API key is accepted (loopback only)", flush=True)
-        await _train(cfg, svc)
-        return 0
+            if cfg.service.admin_key is None and service.admin_key is not None:
+                print(
+                    f"service admin key (issues user keys) in {cfg.run_dir / 'service_admin_key'}",
+                    flush=True,
+                )
+            if svc.gateway.gateway.open_mode:
+                print(
+                    "no user keys configured: any API key is accepted (loopback only)", flush=True
+                )
+            if shutdown.count:
+                print(_stopped_message(svc.resumed_step, svc.resumed_step), flush=True)
+                return EXIT_FORCED if shutdown.count > 1 else 0
+            return await _train(cfg, svc, shutdown)
+        finally:
+            await asyncio.to_thread(svc.stop)
     finally:
-        await asyncio.to_thread(svc.stop)
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 def parse_command_line(argv: list[str] | None) -> tuple[str | None, list[str]]:

@@ -145,6 +145,8 @@ class SessionBook:
         self.sessions: dict[str, GatewaySession] = {}
         self.draining = False
         """Set on shutdown: new sessions get 503 + Retry-After; open ones may finish."""
+        self.finished: str | None = None
+        """Set when training is over (why): new sessions get 410 ``training_finished``."""
         self.counters: dict[str, int] = {
             "sessions_started": 0,
             "sessions_finalized": 0,

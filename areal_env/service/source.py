@@ -8,8 +8,14 @@ from the ``RolloutExecutor``, so it takes either as its batch source.
 Grouping: sessions carrying the same ``group_id`` form one GRPO group (across clients); a group
 is complete once ``n_samples`` successful trajectories arrived (failed sessions do not count, so a
 client may retry them). Sessions without a group id are grouped in arrival order. A group that
-waits longer than ``group_timeout`` for members is used as it is. Waiting never polls: waiters
-sleep on an ``asyncio.Event`` that ``put`` sets thread-safely.
+waits longer than ``group_timeout`` for members is used as it is. A group id names one group:
+once its group is complete (or used incomplete) it takes no more members, and a late session
+or trajectory is refused (``GroupClosedError``) instead of starting a group of one. Waiting
+never polls: waiters sleep on an ``asyncio.Event`` that ``put`` sets thread-safely.
+
+Admission (staleness control at session start) admits groups, not sessions: a group's first
+session takes ``n_samples`` slots, and its later members (retries included) are admitted at
+once, so a started group is never split by the admission limit.
 
 Durability (with a ``store``): ``aput`` writes the trajectory to the store before the gateway
 acknowledges it; ``rollout_batch`` marks what it hands out as consumed at that step; ``commit``
@@ -39,6 +45,11 @@ from areal_env.service.trajectories import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class GroupClosedError(RuntimeError):
+    """A session or trajectory names a GRPO group that takes no more members (it is complete,
+    or was used incomplete): group ids are single-use."""
 
 
 class ExternalTrajectorySource:
@@ -83,7 +94,12 @@ class ExternalTrajectorySource:
         self._version = 0
         self.admission_control = admission_control
         self._admitted = 0
-        """Sessions admitted since this source started (reloaded trajectories included)."""
+        """Admission slots taken since this source started: ``n_samples`` per named group, one
+        per session without a group id (reloaded trajectories included)."""
+        self._admitted_groups: dict[str, int] = {}
+        """Named groups admitted and not complete yet -> their sessions still running."""
+        self._closed_groups: dict[str, str] = {}
+        """Group ids that take no more members -> why (for the refusal's message)."""
         self._batches_taken = 0
         """Batches handed to the trainer since this source started."""
         self._steps_done = 0
@@ -105,16 +121,20 @@ class ExternalTrajectorySource:
         with self._lock:
             if self._closed:
                 raise SourceClosedError("the trajectory source is closed")
+            self._check_group_open(group_id)
             self._add(trajectory, group_id, None)
         self._wake()
 
     async def aput(self, trajectory: dict[str, Any], group_id: str | None = None) -> None:
         """``put``, after writing the trajectory to the store (in a worker thread): once this
         returns, no restart loses it. After ``close`` a trajectory is still stored (it is
-        trained after the next start); without a store it is refused (``SourceClosedError``)."""
+        trained after the next start); without a store it is refused (``SourceClosedError``).
+        A trajectory of a group that takes no more members is refused (``GroupClosedError``)."""
         if self.store is None:
             self.put(trajectory, group_id)
             return
+        with self._lock:
+            self._check_group_open(group_id)
         session_id = str(trajectory.get("session_id") or f"anon-{secrets.token_hex(8)}")
         # Stored under its group id ("" = grouped in arrival order, also after a restart).
         row_id = await asyncio.to_thread(
@@ -129,6 +149,13 @@ class ExternalTrajectorySource:
 
     def _add(self, trajectory: dict[str, Any], group_id: str | None, row_id: int | None) -> None:
         """Add to its group (lock held)."""
+        if group_id is not None and group_id in self._closed_groups:
+            # Its group closed while the trajectory was written (a race with the group's
+            # completion): take it out again rather than start a group of one.
+            if row_id is not None and self.store is not None:
+                self.store.drop_trajectories([row_id], self._step, "late")
+            self._session_over(group_id)
+            self._check_group_open(group_id)
         group = self._group_for(group_id)
         try:
             episode = external_episode(
@@ -143,6 +170,7 @@ class ExternalTrajectorySource:
         group.members.append(episode)
         self.total_received += 1
         self._maybe_complete(group)
+        self._session_over(group_id)
 
     def _maybe_complete(self, group: TrajectoryGroup) -> None:
         if len(group.members) + group.abandoned >= self.n_samples:
@@ -154,8 +182,11 @@ class ExternalTrajectorySource:
     def _drop_group(self, group: TrajectoryGroup) -> None:
         if self._auto is group:
             self._auto = None
-        else:
-            self._open.pop(group.key, None)
+            return
+        self._open.pop(group.key, None)
+        self._close_group(group.key, "every member gave up")
+        if self._admitted_groups.pop(group.key, None) is not None:
+            self._admitted = max(0, self._admitted - self.n_samples)  # it fills no batch slot
 
     def put_failed(
         self, group_id: str | None = None, reason: str = "", *, retry: bool = True
@@ -165,7 +196,7 @@ class ExternalTrajectorySource:
         with self._lock:
             self.total_failed += 1
             self._failed_since_batch += 1
-            self._admitted = max(0, self._admitted - 1)
+            self._session_over(group_id)
             if group_id is not None and group_id in self._open:
                 self._open[group_id].failed += 1
         logger.info("external session of group %s failed: %s", group_id, reason or "no reason")
@@ -178,7 +209,7 @@ class ExternalTrajectorySource:
         if group_id is None:
             return
         with self._lock:
-            if self._closed:
+            if self._closed or group_id in self._closed_groups:
                 return
             group = self._open.get(group_id)
             if group is None:
@@ -198,11 +229,14 @@ class ExternalTrajectorySource:
             return 0
         committed, returned = self.store.restore_to(restored_step)
         stored = self.store.pending_trajectories()
+        trained_groups = self.store.trained_groups()
         now_wall, now_mono = time.time(), time.monotonic()
         with self._lock:
             self._step = restored_step
             if trainer_version is not None:
                 self._version = int(trainer_version)
+            for key, step in trained_groups.items():
+                self._closed_groups[key] = f"it was trained at step {step}"
             for st in stored:
                 group = self._group_for(st.group_key or None)
                 if not group.members:  # its wait counts from its first member's arrival
@@ -223,7 +257,12 @@ class ExternalTrajectorySource:
                 group.members.append(episode)
                 self.total_reloaded += 1
                 self._maybe_complete(group)
-            self._admitted = self.total_reloaded
+            # Reloaded groups are admitted: the retries of their members lost in the restart
+            # start at once (their slots count, as every session's did before the restart).
+            self._admitted_groups = {key: 0 for key in self._open}
+            named = {st.group_key for st in stored if st.group_key}
+            auto = len(stored) - sum(1 for st in stored if st.group_key)
+            self._admitted = auto + self.n_samples * len(named)
         if stored or committed or returned:
             logger.warning(
                 "service store: %d acknowledged trajectories reloaded (%d consumed after the "
@@ -264,33 +303,79 @@ class ExternalTrajectorySource:
     # -- admission (staleness control at session start) -----------------------------------
 
     def _admission_limit(self) -> int:
-        """Sessions that may have started by now: ``(steps finished + offpolicyness + 1)``
-        batches' worth, so a session is consumed at most ``max_head_offpolicyness`` steps (so
-        versions) after its weights (AReaL's rule). Steps, not versions: a skipped update
-        (all-equal rewards) leaves the version, and every new session (a restart-failed
-        member's retry included) then waited for a version that never came."""
+        """Slots that may be taken by now: ``(steps finished + offpolicyness + 1)`` batches'
+        worth, so a session is consumed at most ``max_head_offpolicyness`` steps (so versions)
+        after its weights (AReaL's rule). Steps, not versions: a skipped update (all-equal
+        rewards) leaves the version, and every new session (a restart-failed member's retry
+        included) then waited for a version that never came."""
         per_batch = self.batch_size * self.n_samples
         return (self._steps_done + self.max_head_offpolicyness + 1) * per_batch
 
-    def try_admit(self) -> bool:
-        """Take an admission slot if one is free (always True without admission control)."""
-        if not self.admission_control:
-            return True
+    def try_admit(self, group_id: str | None = None) -> bool:
+        """Admit a session of ``group_id`` if it may start now (always without admission
+        control). The first session of a group takes the whole group's ``n_samples`` slots;
+        its later members are admitted at once. ``GroupClosedError`` if the group takes no
+        more members."""
         with self._lock:
-            if self._admitted < self._admission_limit():
-                self._admitted += 1
+            self._check_group_open(group_id)
+            if not self.admission_control:
                 return True
-        return False
+            if group_id is not None and group_id in self._admitted_groups:
+                self._admitted_groups[group_id] += 1
+                return True
+            need = 1 if group_id is None else self.n_samples
+            if self._admitted + need > self._admission_limit():
+                return False
+            self._admitted += need
+            if group_id is not None:
+                self._admitted_groups[group_id] = 1
+            return True
 
-    def release_admission(self) -> None:
-        """Give back a slot of a session that never started."""
+    def release_admission(self, group_id: str | None = None) -> None:
+        """An admitted session of ``group_id`` never started: give its admission back."""
         with self._lock:
-            self._admitted = max(0, self._admitted - 1)
+            self._session_over(group_id)
         self._wake()
 
-    async def admit(self, timeout: float | None = None) -> bool:
-        """Wait (no polling: woken when a training step ends or a session fails) for a slot."""
-        if self.try_admit():
+    def _session_over(self, group_id: str | None) -> None:
+        """An admitted session ended (stored, failed, or never started; lock held). A session
+        without a group id gives its slot back unless it was stored; a named group gives its
+        slots back once nothing of it is left: no member stored, no session running."""
+        if not self.admission_control:
+            return
+        if group_id is None:
+            return
+        running = self._admitted_groups.get(group_id)
+        if running is None:
+            return
+        running = max(0, running - 1)
+        self._admitted_groups[group_id] = running
+        group = self._open.get(group_id)
+        if running == 0 and (group is None or not group.members):
+            del self._admitted_groups[group_id]
+            self._admitted = max(0, self._admitted - self.n_samples)
+
+    def _check_group_open(self, group_id: str | None) -> None:
+        """Raise ``GroupClosedError`` if ``group_id`` takes no more members (lock held)."""
+        if group_id is None:
+            return
+        why = self._closed_groups.get(group_id)
+        if why is not None:
+            raise GroupClosedError(
+                f"group {group_id!r} takes no more members: {why}. A group id names one GRPO "
+                "group; run this sample in a new group (a new group_id)"
+            )
+
+    def _close_group(self, key: str, why: str) -> None:
+        """Group ``key`` (a named one) takes no more members (lock held)."""
+        self._closed_groups[key] = why
+        self._admitted_groups.pop(key, None)
+
+    async def admit(self, group_id: str | None = None, timeout: float | None = None) -> bool:
+        """Wait (no polling: woken when a training step ends or a session gives its slot
+        back) until a session of ``group_id`` is admitted; False after ``timeout`` seconds.
+        ``SourceClosedError`` once the source closes, ``GroupClosedError`` for a closed group."""
+        if self.try_admit(group_id):
             return True
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
@@ -301,11 +386,11 @@ class ExternalTrajectorySource:
         try:
             while True:
                 event.clear()
-                if self.try_admit():
-                    return True
                 with self._lock:
                     if self._closed:
                         raise SourceClosedError("the trajectory source is closed")
+                if self.try_admit(group_id):
+                    return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -327,11 +412,13 @@ class ExternalTrajectorySource:
             group = self._open[group_id] = TrajectoryGroup(key=group_id)
         return group
 
-    def _complete(self, group: TrajectoryGroup) -> None:
+    def _complete(self, group: TrajectoryGroup, why: str | None = None) -> None:
         if self._auto is group:
             self._auto = None
         else:
             self._open.pop(group.key, None)
+            members = f"{len(group.members)} of {self.n_samples} members"
+            self._close_group(group.key, why or f"it is complete ({members})")
         self._ready.append(group)
 
     def _flush_expired(self, now: float) -> float | None:
@@ -350,7 +437,11 @@ class ExternalTrajectorySource:
                     self.n_samples,
                     self.group_timeout,
                 )
-                self._complete(group)
+                self._complete(
+                    group,
+                    f"it was used with {len(group.members)} of {self.n_samples} members after "
+                    f"waiting service.group_timeout={self.group_timeout:.0f} s",
+                )
             else:
                 next_in = left if next_in is None else min(next_in, left)
         return next_in
@@ -501,9 +592,13 @@ class ExternalTrajectorySource:
                 self._waiters.discard(waiter)
         step = self._step + 1 if step is None else int(step)
         self._step = step
-        if selected or stale_trajs:
-            with self._lock:
+        with self._lock:
+            if selected or stale_trajs:
                 self._batches_taken += 1
+            for members in selected:
+                key = str(members[0].group_id)
+                if key in self._closed_groups:
+                    self._closed_groups[key] = f"it was trained at step {step}"
         if self.store is not None:
             consumed = [r for g in selected for e in g if (r := store_row(e)) is not None]
             dropped = [r for e in stale_trajs if (r := store_row(e)) is not None]

@@ -7,9 +7,13 @@ step >= ``s`` exists: the row moves to the ``consumed`` ledger). On start, rows 
 the checkpoint the trainer restores go back to pending, so every acknowledged trajectory is
 trained exactly once along the run that survives.
 
+One store holds one run (``experiment_name/trial_name``): the first start of a run stamps it,
+and a start of another run on the same database is refused with the name of the run it holds
+(``StoreInUseError``), so two trials never share pending trajectories, sessions or key usage.
+
 ``SQLStore`` speaks SQLite (standard library, WAL mode, the embedded default: one file in the
 run dir) and PostgreSQL (``postgresql://...`` with the optional ``psycopg`` driver; several
-gateway hosts may share it). Every method blocks: async callers go through
+gateway hosts of one run may share it). Every method blocks: async callers go through
 ``asyncio.to_thread``. One connection, serialised by a lock (writes are few and small).
 """
 
@@ -29,6 +33,32 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = "1"
+
+
+class StoreInUseError(RuntimeError):
+    """The database holds the state of another run (the message names it and says what to do)."""
+
+
+@dataclass
+class StoreSummary:
+    """What a store holds (``areal-env serve-training`` prints it at start)."""
+
+    run: str | None
+    pending: int
+    """Acknowledged trajectories not trained yet (reloaded at start)."""
+    trained: int
+    """Trajectories in the ledger as trained."""
+    issued_keys: int
+    sessions: int
+
+    def describe(self) -> str:
+        if not (self.pending or self.trained or self.issued_keys or self.sessions):
+            return f"run {self.run or '(unnamed)'}, empty"
+        return (
+            f"run {self.run or '(unnamed)'}: {self.pending} acknowledged trajectories not "
+            f"trained yet, {self.trained} trained, {self.sessions} sessions, "
+            f"{self.issued_keys} issued keys"
+        )
 
 
 @dataclass
@@ -77,6 +107,7 @@ class ServiceStore(Protocol):
 
     url: str
 
+    def summary(self) -> StoreSummary: ...
     def get_meta(self, name: str) -> str | None: ...
     def set_meta(self, name: str, value: str) -> None: ...
     def upsert_key(self, key: KeyRecord) -> None: ...
@@ -104,6 +135,7 @@ class ServiceStore(Protocol):
     def commit_through(self, step: int) -> int: ...
     def restore_to(self, step: int) -> tuple[int, int]: ...
     def consumed_ledger(self) -> list[tuple[str, int, str]]: ...
+    def trained_groups(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
 
@@ -133,10 +165,14 @@ _TABLES = {
 
 
 class SQLStore:
-    """``ServiceStore`` on SQLite (``sqlite:///path``, a path, or ``:memory:``) or PostgreSQL."""
+    """``ServiceStore`` on SQLite (``sqlite:///path``, a path, or ``:memory:``) or PostgreSQL.
 
-    def __init__(self, url: str) -> None:
+    ``run`` (``experiment_name/trial_name``): the run this store belongs to; a database stamped
+    with another run is refused (``StoreInUseError``). None: no check (a bare gateway)."""
+
+    def __init__(self, url: str, *, run: str | None = None) -> None:
         self.url = url
+        self.run = run
         self._lock = threading.RLock()
         if url.startswith(("postgresql://", "postgres://")):
             try:
@@ -169,6 +205,42 @@ class SQLStore:
             )
         if self.get_meta("schema") is None:
             self.set_meta("schema", SCHEMA_VERSION)
+        if run is not None:
+            self._claim(run)
+
+    def _claim(self, run: str) -> None:
+        """Stamp a new database with ``run``, or refuse one that holds another run."""
+        with self._tx() as cur:
+            cur.execute("SELECT value FROM meta WHERE name = 'run'")
+            row = cur.fetchone()
+            if row is None:
+                cur.execute("INSERT INTO meta (name, value) VALUES ('run', ?)", (run,))
+        held = row[0] if row is not None else run
+        if held == run:
+            return
+        what = self.summary()
+        self.close()
+        experiment, _, trial = held.partition("/")
+        raise StoreInUseError(
+            f"the service store {redact_url(self.url)} holds run {held!r} "
+            f"({what.pending} acknowledged trajectories not trained yet, {what.trained} "
+            f"trained, {what.issued_keys} issued keys), not {run!r}: one store holds one run. "
+            f"Give this run a store of its own (service.store=PATH or another PostgreSQL "
+            f"database), or resume {held!r} with experiment_name={experiment} "
+            f"trial_name={trial}"
+        )
+
+    def summary(self) -> StoreSummary:
+        def count(query: str) -> int:
+            return int(self._all(query)[0][0])
+
+        return StoreSummary(
+            run=self.get_meta("run"),
+            pending=count("SELECT COUNT(*) FROM trajectories"),
+            trained=count("SELECT COUNT(*) FROM consumed WHERE outcome = 'trained'"),
+            issued_keys=count("SELECT COUNT(*) FROM keys WHERE issued = 1"),
+            sessions=count("SELECT COUNT(*) FROM sessions"),
+        )
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -454,6 +526,16 @@ class SQLStore:
             for r in self._all("SELECT session_id, step, outcome FROM consumed ORDER BY at")
         ]
 
+    def trained_groups(self) -> dict[str, int]:
+        """Group ids whose members a committed step took (trained, or dropped as stale) ->
+        the last such step: those groups take no more members."""
+        rows = self._all(
+            "SELECT s.group_id, MAX(c.step) FROM consumed c JOIN sessions s ON s.id = c.session_id"
+            " WHERE s.group_id IS NOT NULL AND c.outcome IN ('trained', 'stale')"
+            " GROUP BY s.group_id"
+        )
+        return {r[0]: int(r[1]) for r in rows}
+
 
 class _Cursor:
     """A DB-API cursor that writes ``?`` placeholders in either dialect."""
@@ -480,14 +562,14 @@ class _Cursor:
         return self._cur.lastrowid
 
 
-def open_store(url: str | None, run_dir: Path | None = None) -> SQLStore:
+def open_store(url: str | None, run_dir: Path | None = None, *, run: str | None = None) -> SQLStore:
     """The configured store: ``service.store`` (a URL or a path), else ``RUN_DIR/service.db``,
-    else (no run dir: a bare gateway) an in-memory SQLite database."""
+    else (no run dir: a bare gateway) an in-memory SQLite database. ``run``: see ``SQLStore``."""
     if url:
-        return SQLStore(url)
+        return SQLStore(url, run=run)
     if run_dir is not None:
-        return SQLStore(str(Path(run_dir) / "service.db"))
-    return SQLStore(":memory:")
+        return SQLStore(str(Path(run_dir) / "service.db"), run=run)
+    return SQLStore(":memory:", run=run)
 
 
 def redact_url(url: str) -> str:

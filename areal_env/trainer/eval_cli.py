@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 from areal_env.api.cli_args import experiment_parser, fail, load_experiment
 
@@ -30,14 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-tools", default=None, help="start aenvironment servers for this file")
     ap.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
     args = ap.parse_intermixed_args(argv)
-    loaded = load_experiment(prog, args)
-    if loaded is None:
+    cfg = load_experiment(prog, args)
+    if cfg is None:
         return 2
-    from areal_env.trainer.cli import resolve_paths
     from areal_env.trainer.data import load_items
     from areal_env.trainer.eval import arun_evaluation, format_result
 
-    cfg = resolve_paths(loaded, Path(args.config))
     dataset = args.dataset or cfg.valid_dataset
     if not dataset:
         return fail(prog, "no held-out data: set valid_dataset in the config or pass --dataset")

@@ -5,13 +5,8 @@ to any agent stack without constraining it. The full ``areal-env`` package insta
 """
 
 from areal_env_client.hooks import SESSION_HEADER, SESSION_PATH, install_session_hook
-from areal_env_client.runner import (
-    TRANSIENT_STATUS,
-    AgentFn,
-    AgentResult,
-    AgentRunner,
-    is_transient,
-)
+from areal_env_client.retry import TRANSIENT_STATUS, RetryBudget, is_transient
+from areal_env_client.runner import AgentFn, AgentResult, AgentRunner
 from areal_env_client.session import (
     ENV_VARS,
     AgentServiceError,
@@ -34,6 +29,7 @@ __all__ = [
     "AgentRunner",
     "AgentServiceError",
     "AgentSession",
+    "RetryBudget",
     "check_response",
     "current_session",
     "default_service_url",

@@ -1,12 +1,13 @@
 """``AgentRunner``: run an async agent over a dataset through the training service.
 
-Retries are sized to outlast a service restart: connection failures and 410/502/503/504
-answers (410: a session the service lost, e.g. in a restart) are retried in a fresh session of
-the same GRPO group with exponential backoff (honouring ``Retry-After``) while the sample has
-spent less than ``retry_for`` seconds without a session; "busy" answers (429: a quota, or the
-trainer has enough rollouts in flight) for up to ``patience`` seconds of waiting. Only the time
-a sample spends failing counts: neither its wait for a concurrency slot nor the episodes it ran,
-so an episode cut by a restart late in a long run is retried as readily as an early one.
+Retries are sized to outlast a service restart (``retry.RetryBudget``, one per sample):
+connection failures and 410/502/503/504 answers (410: a session the service lost, e.g. in a
+restart; 503: the service is stopping) are retried in a fresh session of the same GRPO group
+with exponential backoff (honouring ``Retry-After``) while the sample has spent less than
+``retry_for`` seconds without a session; "busy" answers (429: a quota, or the trainer has enough
+rollouts in flight) for up to ``patience`` seconds of waiting. Only the time a sample spends
+failing counts: neither its wait for a concurrency slot nor the episodes it ran, so an episode
+cut by a restart late in a long run is retried as readily as an early one.
 
 Exactly once: before a retry, the runner asks the service what became of the failed attempt's
 session. One that is ``done`` was stored (e.g. the finalize reached the service but its answer
@@ -19,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 
 from areal_env_client.hooks import SESSION_HEADER
+from areal_env_client.retry import RetryBudget
 from areal_env_client.session import (
     AgentServiceError,
     AgentSession,
@@ -37,41 +37,6 @@ from areal_env_client.session import (
 )
 
 logger = logging.getLogger(__name__)
-
-TRANSIENT_STATUS = frozenset({410, 429, 502, 503, 504})
-"""HTTP statuses worth retrying with a new session (410: the session was lost, e.g. in a
-restart; capacity, quota, shutdown, backend loss)."""
-
-
-def _status_of(exc: BaseException) -> int | None:
-    status = getattr(exc, "status_code", None)
-    if status is None:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-    return status if isinstance(status, int) else None
-
-
-def _retry_after_of(exc: BaseException) -> float | None:
-    value = getattr(exc, "retry_after", None)
-    if value is None:
-        headers = getattr(getattr(exc, "response", None), "headers", None)
-        raw = headers.get("retry-after") if headers is not None else None
-        try:
-            value = float(raw) if raw is not None else None
-        except ValueError:
-            value = None
-    return value
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Connection failures and 429/502/503/504 answers (from httpx, openai, anthropic, us)."""
-    if isinstance(exc, (httpx.TransportError, asyncio.TimeoutError, ConnectionError)):
-        return True
-    if _status_of(exc) in TRANSIENT_STATUS:
-        return True
-    names = {c.__name__ for c in type(exc).__mro__}
-    return bool(
-        names & {"APIConnectionError", "APITimeoutError", "ClientConnectionError", "ClientOSError"}
-    )
 
 
 @dataclass
@@ -84,6 +49,10 @@ class AgentResult:
     errors: list[str | None] = field(default_factory=list)
     session_ids: list[str | None] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
+    """Per sample: episodes run (sessions the service opened), the successful one included."""
+    waits: list[int] = field(default_factory=list)
+    """Per sample: times the service said "not now" (busy 429, stopping 503, unreachable)
+    before it opened a session; not attempts."""
 
     @property
     def ok(self) -> bool:
@@ -96,64 +65,6 @@ class AgentResult:
 
 
 AgentFn = Callable[[Any], Awaitable[float | None]]
-
-
-@dataclass
-class _Attempts:
-    """Retry bookkeeping of one sample: how long it has been without a session because the
-    service was unavailable (``down``) or busy (429), and its failures.
-
-    The clocks run only from a failure until the service gives the sample a session again: a
-    sample's time in the concurrency queue and in its episodes never counts, so the budget
-    ``retry_for`` measures outages, whenever in a long run they happen.
-    """
-
-    retry_for: float
-    patience: float
-    max_retries: int | None
-    failures: int = 0
-    spent: dict[str, float] = field(default_factory=lambda: {"busy": 0.0, "down": 0.0})
-    waiting: tuple[str, float] | None = None
-    """``(kind, since)``: without a session since a failure of that kind."""
-
-    @staticmethod
-    def _kind(exc: BaseException) -> str:
-        return "busy" if _status_of(exc) == 429 else "down"
-
-    def _spent(self, kind: str, now: float) -> float:
-        total = self.spent[kind]
-        if self.waiting is not None and self.waiting[0] == kind:
-            total += now - self.waiting[1]
-        return total
-
-    def will_retry(self, exc: BaseException) -> bool:
-        now = time.monotonic()
-        if _status_of(exc) == 429:
-            return self._spent("busy", now) < self.patience
-        if not is_transient(exc):
-            return False
-        if self.max_retries is not None and self.failures + 1 > self.max_retries:
-            return False
-        return self._spent("down", now) < self.retry_for
-
-    def failed(self, exc: BaseException) -> None:
-        """A failure that will be retried: the sample is without a session from now."""
-        now = time.monotonic()
-        self._settle_clock(now)
-        kind = self._kind(exc)
-        if kind == "down":
-            self.failures += 1
-        self.waiting = (kind, now)
-
-    def got_session(self) -> None:
-        """The service opened a session for the sample: the outage (or busy wait) is over."""
-        self._settle_clock(time.monotonic())
-
-    def _settle_clock(self, now: float) -> None:
-        if self.waiting is not None:
-            kind, since = self.waiting
-            self.spent[kind] += now - since
-            self.waiting = None
 
 
 @dataclass
@@ -204,12 +115,14 @@ class AgentRunner:
         """Run every item ``group_size`` times; returns one ``AgentResult`` per item.
 
         Transient failures are retried (in a fresh session of the same group) until the sample
-        has spent ``retry_for`` seconds without a session since its first failure (and at most
-        ``max_retries`` times when given), 429 answers until it has waited ``patience`` seconds
-        on them; time queued for a concurrency slot or running episodes does not count. Delays
-        grow from ``backoff`` to ``max_backoff`` seconds, or follow the service's Retry-After.
-        An attempt whose session the service reports ``done`` (stored, though its answer was
-        lost) is counted, not run again.
+        has spent ``retry_for`` seconds without a session since its first failure (and, when
+        given, at most ``max_retries`` times after an episode failed), 429 answers until it has
+        waited ``patience`` seconds on them; time queued for a concurrency slot or running
+        episodes does not count (a ``RetryBudget`` per sample). Delays grow from ``backoff`` to
+        ``max_backoff`` seconds, or follow the service's Retry-After. ``attempts`` counts the
+        episodes run, ``waits`` the service's "not now" answers before a session opened. An
+        attempt whose session the service reports ``done`` (stored, though its answer was lost)
+        is counted, not run again.
         """
         items = list(dataset)
         if concurrency < 1 or group_size < 1 or (max_retries is not None and max_retries < 0):
@@ -223,6 +136,7 @@ class AgentRunner:
                 errors=[None] * group_size,
                 session_ids=[None] * group_size,
                 attempts=[0] * group_size,
+                waits=[0] * group_size,
             )
             for i, item in enumerate(items)
         ]
@@ -232,46 +146,16 @@ class AgentRunner:
 
             async def one(index: int, sample: int) -> None:
                 res = results[index]
-                group_id = f"{prefix}-{index}"
-                state = _Attempts(retry_for, patience, max_retries)
-                tries = 0
+                budget = RetryBudget(
+                    retry_for=retry_for,
+                    patience=patience,
+                    max_retries=max_retries,
+                    backoff=backoff,
+                    max_backoff=max_backoff,
+                )
                 async with semaphore:
-                    unsettled: _Episode | None = None
-                    while True:
-                        tries += 1
-                        episode: _Episode | None = None
-                        try:
-                            if unsettled is not None:
-                                # The last attempt failed after its session opened: was it
-                                # stored anyway (e.g. its finalize's answer was lost)?
-                                if await self._stored(http, unsettled.session_id):
-                                    episode = unsettled
-                                else:
-                                    unsettled = None
-                            if episode is None:
-                                res.attempts[sample] += 1
-                                episode = _Episode()
-                                await self._episode(
-                                    http, agent_fn, res.item, group_id, state, episode
-                                )
-                            res.rewards[sample] = episode.reward
-                            res.session_ids[sample] = episode.session_id
-                            res.errors[sample] = None
-                            break
-                        except Exception as e:  # noqa: BLE001 - reported per item
-                            res.errors[sample] = f"{type(e).__name__}: {e}"
-                            if not state.will_retry(e):
-                                logger.warning("item %d sample %d failed: %s", index, sample, e)
-                                break
-                            if unsettled is None and episode is not None and episode.session_id:
-                                unsettled = episode
-                            state.failed(e)
-                            step = min(tries - 1, 10)
-                            delay = min(backoff * 2**step, max_backoff) * (0.5 + random.random())
-                            hint = _retry_after_of(e)
-                            if hint is not None:
-                                delay = max(delay, min(hint, max_backoff * 6))
-                            await asyncio.sleep(delay)
+                    await self._sample(http, agent_fn, res, sample, f"{prefix}-{index}", budget)
+                res.waits[sample] = budget.waits
                 if bar is not None:
                     bar.update(1)
 
@@ -284,13 +168,56 @@ class AgentRunner:
                     bar.close()
         return results
 
+    async def _sample(
+        self,
+        http: httpx.AsyncClient,
+        agent_fn: AgentFn,
+        res: AgentResult,
+        sample: int,
+        group_id: str,
+        budget: RetryBudget,
+    ) -> None:
+        """One sample of ``res.item``: episodes until one is stored or the budget gives up."""
+        unsettled: _Episode | None = None
+        while True:
+            episode: _Episode | None = None
+            try:
+                if unsettled is not None:
+                    # The last attempt failed after its session opened: was it stored anyway
+                    # (e.g. its finalize's answer was lost)?
+                    if await self._stored(http, unsettled.session_id):
+                        episode = unsettled
+                    else:
+                        unsettled = None
+                if episode is None:
+                    episode = _Episode()
+                    try:
+                        await self._episode(http, agent_fn, res.item, group_id, budget, episode)
+                    finally:
+                        if episode.session_id is not None:
+                            res.attempts[sample] += 1
+                res.rewards[sample] = episode.reward
+                res.session_ids[sample] = episode.session_id
+                res.errors[sample] = None
+                return
+            except Exception as e:  # noqa: BLE001 - reported per item
+                res.errors[sample] = f"{type(e).__name__}: {e}"
+                # A start that failed has already waited within the budget (AgentSession).
+                at_start = episode is not None and episode.session_id is None
+                if not budget.will_retry(e, before_session=at_start):
+                    logger.warning("item %d sample %d failed: %s", res.index, sample, e)
+                    return
+                if unsettled is None and episode is not None and episode.session_id:
+                    unsettled = episode
+                await asyncio.sleep(budget.failed(e))
+
     async def _episode(
         self,
         http: httpx.AsyncClient,
         agent_fn: AgentFn,
         item: Any,
         group_id: str,
-        state: _Attempts,
+        budget: RetryBudget,
         episode: _Episode,
     ) -> None:
         session = AgentSession(
@@ -300,15 +227,15 @@ class AgentRunner:
             http_client=http,
             timeout=self.timeout,
             set_env=False,  # concurrent sessions: the header hook names each one
+            retry=budget,  # the start waits out a busy or restarting service on this budget
         )
         async with session:
             episode.session_id = session.session_id
-            state.got_session()
             try:
                 reward = await agent_fn(item)
             except BaseException as e:
                 # Tell the service whether this group member will come back.
-                session.retry_on_failure = isinstance(e, Exception) and state.will_retry(e)
+                session.retry_on_failure = isinstance(e, Exception) and budget.will_retry(e)
                 raise
             episode.reward = None if reward is None else float(reward)
             if reward is not None and session.finalized is None:

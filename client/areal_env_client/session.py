@@ -19,11 +19,12 @@ twice nor drops a reward given another way.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import os
 import threading
-import warnings
+import time
 from typing import Any
 
 import httpx
@@ -34,6 +35,7 @@ from areal_env_client.hooks import (
     SESSION_PATH,
     install_session_hook,
 )
+from areal_env_client.retry import RetryBudget
 
 logger = logging.getLogger(__name__)
 
@@ -112,23 +114,6 @@ def _need_session() -> AgentSession:
     return session
 
 
-def _reward_first(reward: Any, completion_id: Any) -> tuple[float, str | None]:
-    """``(reward, completion_id)``, also from a call in the old order ``(completion_id,
-    reward)`` (a string or None first and a number second), which is deprecated."""
-    old_order = (reward is None or isinstance(reward, str)) and (
-        isinstance(completion_id, int | float) and not isinstance(completion_id, bool)
-    )
-    if old_order:
-        warnings.warn(
-            "AgentSession.set_reward(completion_id, reward) is deprecated: "
-            "call set_reward(reward, completion_id)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return float(completion_id), reward
-    return reward, completion_id
-
-
 def set_reward(reward: float, completion_id: str | None = None) -> Any:
     """Reward a completion of the current session (``None`` = its latest completion).
     Awaitable inside ``async with``, a plain call inside ``with``."""
@@ -142,6 +127,11 @@ def finalize(final_reward: float | None = None, *, status: str = "ok") -> Any:
 
 class AgentSession:
     """One trajectory on the training service; use as ``async with`` (or plain ``with``).
+
+    Entering the block opens the session. While the service is busy (429: the trainer has
+    enough rollouts in flight, or a key quota), stopping or restarting (503, or unreachable),
+    the start is asked again with backoff (honouring ``Retry-After``) within ``retry``'s budget
+    (default: 300 s of outage, 3600 s of busy answers); ``retry.waits`` counts those answers.
 
     Leaving the block:
     - after ``finalize`` (here or by a raw call through the service): nothing more to do;
@@ -162,8 +152,11 @@ class AgentSession:
         http_client: httpx.AsyncClient | None = None,
         verify: bool | str = True,
         set_env: bool = True,
+        retry: RetryBudget | None = None,
     ) -> None:
         self.service_url = strip_session_path(service_url or default_service_url())
+        self.retry = retry if retry is not None else RetryBudget()
+        """How long the start waits out a busy, stopping or unreachable service."""
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         self.group_id = group_id
         self.task_id = task_id
@@ -217,6 +210,17 @@ class AgentSession:
         if self.session_id:
             headers[SESSION_HEADER] = self.session_id
         return headers
+
+    def _start_delay(self, exc: Exception) -> float:
+        """Seconds to wait before asking for the session again; re-raises ``exc`` when the
+        failure is final or ``retry``'s budget is spent."""
+        if not self.retry.will_retry(exc, before_session=True):
+            raise exc
+        delay = self.retry.failed(exc, before_session=True)
+        logger.info(
+            "the service cannot open a session now (%s); asking again in %.1f s", exc, delay
+        )
+        return delay
 
     def _create_payload(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "task_id": self.task_id, "metadata": self.metadata}
@@ -301,15 +305,21 @@ class AgentSession:
         client = self._shared_async or self._async
         assert client is not None
         try:
-            resp = await client.post(
-                self.service_url + "/rl/v1/sessions",
-                json=self._create_payload(),
-                headers=self._auth(),
-            )
-            data = check_response(resp)
+            while True:
+                try:
+                    resp = await client.post(
+                        self.service_url + "/rl/v1/sessions",
+                        json=self._create_payload(),
+                        headers=self._auth(),
+                    )
+                    data = check_response(resp)
+                    break
+                except Exception as e:
+                    await asyncio.sleep(self._start_delay(e))
         except BaseException:
             await self._close_async()
             raise
+        self.retry.got_session()
         self._activate(data["session_id"])
         return self
 
@@ -384,16 +394,22 @@ class AgentSession:
         install_session_hook()
         self._sync = httpx.Client(timeout=self._timeout, verify=self._verify)
         try:
-            resp = self._sync.post(
-                self.service_url + "/rl/v1/sessions",
-                json=self._create_payload(),
-                headers=self._auth(),
-            )
-            data = check_response(resp)
+            while True:
+                try:
+                    resp = self._sync.post(
+                        self.service_url + "/rl/v1/sessions",
+                        json=self._create_payload(),
+                        headers=self._auth(),
+                    )
+                    data = check_response(resp)
+                    break
+                except Exception as e:
+                    time.sleep(self._start_delay(e))
         except BaseException:
             self._sync.close()
             self._sync = None
             raise
+        self.retry.got_session()
         self._activate(data["session_id"])
         return self
 
@@ -451,9 +467,7 @@ class AgentSession:
     def set_reward(self, reward: float, completion_id: str | None = None) -> Any:
         """Reward one completion (``completion_id``: the ``id`` of a chat completion or
         message; ``None`` = the latest), in the proxy client's order. Awaitable inside
-        ``async with``. The old order ``set_reward(completion_id, reward)`` still works, with a
-        ``DeprecationWarning``."""
-        reward, completion_id = _reward_first(reward, completion_id)
+        ``async with``."""
         if self._sync is not None:
             data = self._spost(
                 "/rl/v1/set_reward", {"completion_id": completion_id, "reward": float(reward)}

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,14 +65,7 @@ def run(argv: list[str] | None = None) -> dict:
         overrides.append(f"trainer.total_train_steps={args.steps}")
     if args.fresh:
         overrides.append("trainer.recover=off")
-    cfg = load_config(ExperimentConfig, args.config, overrides)
-    for key in ("train_dataset", "valid_dataset"):
-        value = getattr(cfg, key)
-        if value and not Path(value).exists():
-            for base in (Path(args.config).resolve().parent, ROOT):
-                if (base / value).exists():
-                    setattr(cfg, key, str(base / value))
-                    break
+    cfg = load_config(ExperimentConfig, args.config, overrides)  # paths: relative to the file
 
     t0 = time.monotonic()
     # The servers run from the aenvironment SDK in a venv of its own (.venv-aenv, created on

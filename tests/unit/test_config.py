@@ -112,3 +112,97 @@ def test_readme_config_reference_is_current():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split(START, 1)[1].split(END, 1)[0]
     assert block.strip() == render_reference().strip()
+
+
+def _project(root) -> None:
+    """A user's project folder: data, agent, reward, an MCP server script in a venv of its own."""
+    (root / "data.jsonl").write_text('{"question": "q"}\n')
+    (root / "agent.py").write_text("class Agent:\n    pass\n")
+    (root / "reward.py").write_text("def reward(final_answer):\n    return 1.0\n")
+    server = root / ".venv-sqlite" / "bin" / "mcp-server-sqlite"
+    server.parent.mkdir(parents=True)
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+
+
+def test_every_path_in_a_config_file_is_relative_to_the_file(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    _project(project)
+    (project / "config.yaml").write_text(
+        "train_dataset: data.jsonl\nworkflow: agent.py:Agent\nfileroot: runs\n"
+        "workflow_kwargs:\n  reward_fn: reward.py:reward\n  mcp_config:\n"
+        "    command: .venv-sqlite/bin/mcp-server-sqlite\n    args: [--db-path, shop.db]\n"
+        "service:\n  store: state/service.db\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the command runs from another folder
+    cfg = load_config(
+        ExperimentConfig, project / "config.yaml", ["valid_dataset=../project/data.jsonl"]
+    )
+    assert cfg.train_dataset == str(project / "data.jsonl")
+    assert cfg.workflow == f"{project / 'agent.py'}:Agent"
+    assert cfg.fileroot == str(project / "runs")
+    assert cfg.service.store == str(project / "state" / "service.db")
+    kwargs = cfg.workflow_kwargs
+    assert kwargs["reward_fn"] == f"{project / 'reward.py'}:reward"
+    mcp = kwargs["mcp_config"]
+    assert mcp["command"] == str(project / ".venv-sqlite" / "bin" / "mcp-server-sqlite")
+    assert mcp["cwd"] == str(project)  # the server's own relative arguments resolve there too
+    assert cfg.valid_dataset == "../project/data.jsonl"  # the command line: the working dir
+    assert cfg.model.path == "smollm2-135m-instruct"  # a model name stays a name
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "missing"),
+    [
+        (
+            "workflow_kwargs:\n  reward_fn: rewards.py:reward\n",
+            "workflow_kwargs.reward_fn",
+            "rewards.py",
+        ),
+        ("train_dataset: train.jsonl\n", "train_dataset", "train.jsonl"),
+        ("workflow: agents.py:Agent\n", "workflow", "agents.py"),
+        (
+            "workflow_kwargs:\n  mcp_config:\n    command: venv/bin/mcp-server-sqlite\n",
+            "workflow_kwargs.mcp_config.command",
+            "venv/bin/mcp-server-sqlite",
+        ),
+    ],
+)
+def test_a_wrong_path_is_reported_at_config_time(tmp_path, monkeypatch, line, key, missing):
+    _project(tmp_path)
+    (tmp_path / "config.yaml").write_text(line)
+    monkeypatch.chdir("/")
+    with pytest.raises(ConfigError) as e:
+        load_config(ExperimentConfig, tmp_path / "config.yaml")
+    assert str(e.value).startswith(key + "=")
+    assert str(tmp_path / missing) in str(e.value) and "relative to the file's folder" in str(
+        e.value
+    )
+
+
+def test_a_bare_mcp_command_is_looked_up_on_path(tmp_path):
+    (tmp_path / "config.yaml").write_text(
+        "workflow_kwargs:\n  mcp_config:\n    command: no-such-mcp-server-anywhere\n"
+    )
+    with pytest.raises(ConfigError, match=r"no executable 'no-such-mcp-server-anywhere' on PATH"):
+        load_config(ExperimentConfig, tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text("workflow_kwargs:\n  mcp_config:\n    command: sh\n")
+    cfg = load_config(ExperimentConfig, tmp_path / "config.yaml")
+    assert cfg.workflow_kwargs["mcp_config"]["command"] == "sh"  # run as given, found on PATH
+
+
+def test_the_train_command_fails_on_a_wrong_path_before_loading_a_model(tmp_path, capsys):
+    from areal_env.trainer.cli import main
+
+    _project(tmp_path)
+    (tmp_path / "config.yaml").write_text(
+        "train_dataset: data.jsonl\nworkflow: agent.py:Agent\n"
+        "workflow_kwargs:\n  reward_fn: reward.py:missing_name\n  mcp_config:\n"
+        "    command: python\n    cwd: no-such-folder\n"
+    )
+    assert main([str(tmp_path / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "workflow_kwargs.mcp_config.cwd" in err and str(tmp_path / "no-such-folder") in err

@@ -194,14 +194,13 @@ def test_sync_session_with_sync_openai_client(service_stack):
         s.set_reward(1.0, completion_id=r.id)
         out = s.finalize()
     assert out["status"] == "ok" and out["num_completions"] == 1
-    with AgentSession(url, ALICE, group_id="sync") as s3:  # the old argument order still works
+    with AgentSession(url, ALICE, group_id="sync") as s3:
         r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
-        with pytest.warns(DeprecationWarning, match=r"set_reward\(reward, completion_id\)"):
-            got = s3.set_reward(r.id, 0.75)
+        got = s3.set_reward(0.75, r.id)
         assert got["completion_id"] == r.id and got["reward"] == 0.75
         s3.finalize()
     with pytest.raises(ValueError, match="boom"):
-        with AgentSession(url, ALICE, group_id="sync") as s2:
+        with AgentSession(url, ALICE, group_id="sync-failed") as s2:
             client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
             raise ValueError("boom")
     assert s2.finalized["status"] == "failed"

@@ -196,6 +196,8 @@ def test_restarts_train_each_acknowledged_trajectory_exactly_once(tmp_path, ligh
         servers[0].proc.send_signal(signal.SIGTERM)
         assert servers[0].proc.wait(timeout=180) == 0, servers[0].log()
         assert any("drain" in x for x in servers[0].lines), servers[0].log()
+        assert any(x.startswith("stopped at step ") for x in servers[0].lines), servers[0].log()
+        assert not any("training finished" in x for x in servers[0].lines), servers[0].log()
         assert agent.poll() is None, "the agents should still be running"
 
         # 2. SIGKILL once the next step has taken its batch (while it trains, or just after),

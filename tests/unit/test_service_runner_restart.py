@@ -13,8 +13,7 @@ import socket
 import sqlite3
 
 import httpx
-from areal_env_client import AgentRunner, AgentSession, current_session
-from areal_env_client.runner import _Attempts
+from areal_env_client import AgentRunner, AgentSession, RetryBudget, current_session
 
 from areal_env.api.config import ProxyConfig
 from areal_env.api.service_config import ServiceConfig
@@ -328,10 +327,11 @@ async def test_an_attempt_stored_though_its_answer_was_lost_is_counted_not_rerun
 
 def test_retry_budget_counts_outages_not_queueing_or_episodes(monkeypatch):
     """The runner's clocks (no service needed): only time without a session after a failure
-    counts against ``retry_for``; 429 waits count against ``patience`` only."""
+    counts against ``retry_for``; 429 waits count against ``patience`` only, and waits for a
+    session are counted apart from the failures ``max_retries`` bounds."""
     now = [1000.0]
-    monkeypatch.setattr("areal_env_client.runner.time.monotonic", lambda: now[0])
-    state = _Attempts(retry_for=10.0, patience=4.0, max_retries=None)
+    monkeypatch.setattr("areal_env_client.retry.time.monotonic", lambda: now[0])
+    state = RetryBudget(retry_for=10.0, patience=4.0, max_retries=None)
     down = httpx.ConnectError("refused")
     busy = httpx.HTTPStatusError(
         "busy", request=httpx.Request("POST", "http://x"), response=httpx.Response(429)
@@ -343,7 +343,7 @@ def test_retry_budget_counts_outages_not_queueing_or_episodes(monkeypatch):
     assert state.will_retry(down)
     state.failed(down)
     now[0] += 2.0
-    state.failed(busy)  # the service answers again, busy: the outage clock stops at 8 s
+    state.failed(busy, before_session=True)  # busy answers: the outage clock stops at 8 s
     now[0] += 3.0
     assert state.will_retry(busy) and state.will_retry(down)
     now[0] += 1.5  # 4.5 s busy
@@ -356,4 +356,9 @@ def test_retry_budget_counts_outages_not_queueing_or_episodes(monkeypatch):
     assert state.will_retry(down)  # 9.9 s of outage in all
     now[0] += 0.2
     assert not state.will_retry(down)
-    assert state.failures == 3
+    assert (state.failures, state.waits) == (3, 1)
+    capped = RetryBudget(max_retries=1)
+    capped.failed(down)
+    assert not capped.will_retry(down)  # one retry of a failed episode: used
+    assert capped.will_retry(down, before_session=True)  # waiting for a session is no retry
+    assert not capped.will_retry(httpx.ReadTimeout("slow"), before_session=False)

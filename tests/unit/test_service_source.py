@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from areal_env.service.source import ExternalTrajectorySource, SourceClosedError
+from areal_env.api.source import SourceClosedError
+from areal_env.service.source import ExternalTrajectorySource, GroupClosedError
 from tests.fixtures.batches import as_tensors, episode_dicts
 
 
@@ -134,50 +135,67 @@ def _take_batch_in_another_loop(src: ExternalTrajectorySource) -> threading.Thre
     return thread
 
 
-async def test_admission_bounds_sessions_by_staleness_and_wakes_on_version():
+async def test_admission_bounds_groups_by_staleness_and_wakes_on_version():
     src = ExternalTrajectorySource(
         n_samples=2, batch_size=1, max_head_offpolicyness=1, admission_control=True
     )
-    assert [src.try_admit() for _ in range(5)] == [True] * 4 + [False]  # (0 + 1 + 1) x 2
-    assert not await src.admit(timeout=0.1)
-    src.put_failed("g")  # a failed session gives its slot back
-    assert await src.admit(timeout=0.1)
-    src.put(export(1.0), "g")
-    src.put(export(0.0), "g")
+    # (0 + 1 + 1) x 1 x 2 = 4 slots: two groups of two, or sessions without a group id.
+    assert src.try_admit("a") and src.try_admit("b") and not src.try_admit("c")
+    assert not src.try_admit()  # a session without a group id needs a slot too
+    assert not await src.admit("c", timeout=0.1)
+    src.put_failed("b")  # b's only session failed and nothing of b is stored: slots back
+    assert await src.admit("c", timeout=0.1)
+    src.put(export(1.0), "a")
+    src.put(export(0.0), "a")
     _take_batch_in_another_loop(src).join()  # step 1 takes its batch and trains...
-    assert not src.try_admit()  # ... the limit grows only once the step is over
-    waiter = asyncio.create_task(src.admit(timeout=10))
+    assert not src.try_admit("d")  # ... the limit grows only once the step is over
+    waiter = asyncio.create_task(src.admit("d", timeout=10))
     await asyncio.sleep(0.05)
     assert not waiter.done()
     t0 = time.monotonic()
     threading.Thread(target=src.set_version, args=(1,)).start()  # the trainer's next version
     assert await asyncio.wait_for(waiter, 5) and time.monotonic() - t0 < 2
-    assert src.try_admit() and not src.try_admit()  # limit is now (1 + 1 + 1) x 2 = 6
-    assert ExternalTrajectorySource(n_samples=1, batch_size=1).try_admit()  # off by default
+    assert not src.try_admit("e")  # (1 + 1 + 1) x 2 = 6 slots: a, c, d
+    assert ExternalTrajectorySource(n_samples=1, batch_size=1).try_admit("x")  # off by default
 
 
-async def test_admission_grows_with_steps_whose_update_was_skipped():
-    """All-equal rewards give every advantage 0: the trainer skips the update and the version
-    stays. Admission still grows once the step is over (the trainer asks for the next batch),
-    or no session would ever be admitted again."""
+async def test_admission_never_blocks_a_started_groups_later_members():
+    """The limit is full of started groups: each one's later members (and the retries of its
+    failed members) start at once, while a new group waits; so no group is trained short
+    because a member waited for admission past ``group_timeout``."""
     src = ExternalTrajectorySource(
-        n_samples=2, batch_size=1, max_head_offpolicyness=0, admission_control=True
+        n_samples=3, batch_size=2, max_head_offpolicyness=0, admission_control=True
     )
-    trainer: asyncio.Task | None = None
-    for step in range(3):
-        assert [src.try_admit() for _ in range(3)] == [True, True, False], step
-        waiter = asyncio.create_task(src.admit(timeout=10))
-        src.put(export(0.0), f"g{step}")
-        src.put(export(0.0), f"g{step}")
-        if trainer is None:
-            await src.rollout_batch(trainer_version=0, timeout=5)
-        else:
-            await asyncio.wait_for(trainer, 5)
-        await asyncio.sleep(0.05)  # the step trains; its update is skipped, no new version
-        assert not waiter.done()
-        trainer = asyncio.create_task(src.rollout_batch(trainer_version=0, timeout=10))
-        assert await asyncio.wait_for(waiter, 5)  # the trainer is back: the step is over
-        src.release_admission()  # the waiter's slot: the next round admits two again
-    assert trainer is not None
-    trainer.cancel()
-    assert src.get_version() == 0
+    assert src.try_admit("a") and src.try_admit("b")  # 2 groups x 3 = the 6 slots
+    new_group = asyncio.create_task(src.admit("c", timeout=10))
+    for _ in range(2):  # a's and b's other members
+        assert await src.admit("a", timeout=0.1) and await src.admit("b", timeout=0.1)
+    src.put(export(1.0), "a")
+    src.put_failed("a", "the agent raised")  # will be retried: admitted at once
+    assert await src.admit("a", timeout=0.1)
+    for reward in (0.0, 1.0):
+        src.put(export(reward), "a")
+    for reward in (0.0, 1.0, 0.5):
+        src.put(export(reward), "b")
+    assert not new_group.done()
+    stats = (await src.rollout_batch(trainer_version=0, timeout=5)).stats
+    assert stats["groups/accepted"] == 2 and stats["groups/incomplete"] == 0
+    assert stats["episodes/accepted"] == 6
+    await src.rollout_batch(trainer_version=0, timeout=0.01)  # step 1 is over
+    assert await asyncio.wait_for(new_group, 5)
+
+
+async def test_a_group_id_names_one_group_late_members_are_refused():
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1, group_timeout=0.2)
+    src.put(export(1.0), "x")  # its second member is late
+    stats = (await src.rollout_batch(trainer_version=0, step=4, timeout=5)).stats
+    assert stats["groups/incomplete"] == 1
+    with pytest.raises(GroupClosedError, match=r"'x'.*trained at step 4.*new group"):
+        src.put(export(0.0), "x")  # not kept as a new group of one
+    with pytest.raises(GroupClosedError, match="new group_id"):
+        src.try_admit("x")
+    src.put(export(1.0), "y")
+    src.put(export(1.0), "y")
+    with pytest.raises(GroupClosedError, match=r"complete \(2 of 2 members\)"):
+        await src.admit("y")  # a third member of a complete group
+    assert src.num_pending_trajectories == 0 and src.num_ready_groups == 1

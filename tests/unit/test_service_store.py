@@ -8,8 +8,15 @@ import asyncio
 import pytest
 
 from areal_env.service.auth import KeyStore, QuotaExceededError
-from areal_env.service.source import ExternalTrajectorySource
-from areal_env.service.store import KeyRecord, SessionRecord, SQLStore, open_store, redact_url
+from areal_env.service.source import ExternalTrajectorySource, GroupClosedError
+from areal_env.service.store import (
+    KeyRecord,
+    SessionRecord,
+    SQLStore,
+    StoreInUseError,
+    open_store,
+    redact_url,
+)
 from tests.fixtures.batches import as_tensors, episode_dicts
 from tests.unit.test_service_source import export
 
@@ -175,3 +182,43 @@ async def test_a_member_that_gives_up_completes_its_group():
 def test_store_urls_are_redacted_in_logs():
     assert redact_url("postgresql://u:secret@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert redact_url("/tmp/service.db") == "/tmp/service.db"
+
+
+def test_one_store_holds_one_run_and_names_it(store_url):
+    """A second trial pointed at the first one's database is refused, naming the run it holds,
+    instead of reloading that run's trajectories and key usage."""
+    store = open_store(store_url, run="exp/trial1")
+    store.put_session(SessionRecord("s1", "d1", "g", None, {}, "open"))
+    store.add_trajectory("s1", "g", _record("s1", 1.0))
+    assert store.summary().describe() == (
+        "run exp/trial1: 1 acknowledged trajectories not trained yet, 0 trained, 1 sessions, "
+        "0 issued keys"
+    )
+    store.close()
+    with pytest.raises(StoreInUseError, match=r"holds run 'exp/trial1' \(1 acknowledged") as e:
+        open_store(store_url, run="exp/trial2")
+    assert "trial_name=trial1" in str(e.value) and "store of its own" in str(e.value)
+    store = open_store(store_url, run="exp/trial1")  # the same run resumes
+    assert [t.session_id for t in store.pending_trajectories()] == ["s1"]
+    store.close()
+
+
+async def test_groups_trained_before_a_restart_take_no_more_members(store_url):
+    store = open_store(store_url)
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1, store=store)
+    src.load(0)
+    for sid in ("a1", "a2"):
+        store.put_session(SessionRecord(sid, "d1", "a", None, {}, "open"))
+        await src.aput(_record(sid, 1.0), "a")
+    await src.rollout_batch(trainer_version=0, step=1, timeout=5)
+    src.commit(1)
+    store.close()
+
+    store = open_store(store_url)
+    src = ExternalTrajectorySource(n_samples=2, batch_size=1, store=store)
+    src.load(1)
+    assert store.trained_groups() == {"a": 1}
+    with pytest.raises(GroupClosedError, match="trained at step 1"):
+        await src.aput(_record("a3", 0.0), "a")
+    assert [t.session_id for t in store.pending_trajectories()] == []  # not stored
+    store.close()

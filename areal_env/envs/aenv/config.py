@@ -103,7 +103,8 @@ class AenvConfig:
     server_python: str | None = None
     """Interpreter that runs ``python -m aenv.main`` when areal-env starts the environment
     servers itself (``examples/aenv``, tests). Default: ``$AREAL_ENV_AENV_PYTHON``, else
-    ``.venv-aenv/bin/python`` (created with aenvironment 0.1.7 on first use)."""
+    ``.venv-aenv/bin/python`` (created with aenvironment 0.1.7 on first use). In a config file
+    a relative path is relative to the file, and checked when the config loads."""
 
     def __post_init__(self) -> None:
         self.validate()

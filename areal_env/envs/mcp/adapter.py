@@ -17,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import shutil
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from areal_env.api.config_load import find_command
 from areal_env.envs.adapter_base import McpAdapterBase, RetrySafe
 from areal_env.envs.base import EnvError, EnvUnavailableError, ToolCallResult
 from areal_env.envs.mcp.config import McpConfig
@@ -33,23 +30,13 @@ from areal_env.envs.mcp_session import HttpTarget, McpSession, SessionDead, Stdi
 logger = logging.getLogger(__name__)
 
 
-def resolve_command(command: str) -> str:
-    """``python`` is the interpreter running areal-env; a bare name that is not on ``PATH`` is
-    looked up beside it (console scripts of the same venv, e.g. ``mcp-server-git``, when the
-    venv is not activated)."""
-    if command in ("python", "python3"):
-        return sys.executable
-    if os.sep not in command and shutil.which(command) is None:
-        beside = Path(sys.executable).parent / command
-        if beside.exists():
-            return str(beside)
-    return command
-
-
 def _new_session(config: McpConfig, url: str | None = None) -> McpSession:
     if config.command:
         target: HttpTarget | StdioTarget = StdioTarget(
-            resolve_command(config.command), list(config.args), dict(config.env) or None, config.cwd
+            find_command(config.command) or config.command,
+            list(config.args),
+            dict(config.env) or None,
+            config.cwd,
         )
     else:
         assert url is not None

@@ -27,13 +27,18 @@ class McpConfig:
     """An MCP server as a training environment (stdio command or streamable-HTTP URL)."""
 
     command: str | None = None
-    """stdio: the executable that serves MCP on stdin/stdout (e.g. ``mcp-server-sqlite``)."""
+    """stdio: the executable that serves MCP on stdin/stdout, run as given: a name on ``PATH``
+    (else beside areal-env's interpreter), a path such as the server's own venv
+    (``.venv-sqlite/bin/mcp-server-sqlite``; in a config file, relative to the file), or a
+    launcher (``uvx`` with ``args: [mcp-server-sqlite, ...]``). A server whose SDK pins clash
+    with areal-env's runs from its own venv this way. ``python`` is areal-env's interpreter."""
     args: list[str] = field(default_factory=list)
     """stdio: its arguments (e.g. ``["--db-path", "shop.db"]``)."""
     env: dict[str, str] = field(default_factory=dict)
     """stdio: extra environment variables for the server process. Never logged."""
     cwd: str | None = None
-    """stdio: working directory of the server process."""
+    """stdio: working directory of the server process (from a config file: the file's folder
+    unless set, so relative paths in ``args`` are relative to the config too)."""
     url: str | None = None
     """http: the streamable-HTTP endpoint, e.g. ``http://127.0.0.1:8000/mcp``."""
     urls: list[str] = field(default_factory=list)

@@ -123,8 +123,8 @@ def _one_run(module: Any, args: argparse.Namespace, fileroot: str, seed: int) ->
     ]
     out["multi_call_after"] = round(sum(multi) / len(multi), 4) if multi else None
     out["wall_s"] = round(wall, 1)
-    # metrics' wall starts when the servers start: set-up = servers, model load, proxy
-    out["setup_s"] = round(max(0.0, metrics["wall_s"] - step_s - evals[0].get("time_s", 0.0)), 1)
+    # set-up = environment servers, model load, proxy (train_aenv.py measures it)
+    out["setup_s"] = round(float(metrics["setup_s"]), 1)
     out["train_s"] = round(step_s, 1)
     out["eval_s"] = round(eval_s, 1)
     out["peak_rss_gb"] = round(max((s.get("mem/peak_rss_gb", 0.0) for s in steps), default=0), 2)

@@ -475,7 +475,7 @@ class ExperimentConfig:
     """JSONL path of the training data (when using the CLI)."""
     valid_dataset: str | None = path_field("file", default=None)
     """JSONL path of evaluation data (optional)."""
-    extra_valid_datasets: dict[str, str] = field(default_factory=dict)
+    extra_valid_datasets: dict[str, str] = path_field({"*": "file"}, default_factory=dict)
     """More held-out sets, evaluated beside ``valid_dataset`` and reported apart
     (``eval/<name>/...``): a name -> a JSONL path, e.g. ``{new_phrasing: valid_new.jsonl}`` to
     see whether a gain holds on phrasings the training data never uses."""

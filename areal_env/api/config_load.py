@@ -31,7 +31,8 @@ T = TypeVar("T")
 
 CONFIG_PATH = "config_path"
 """Field metadata key: how the field's value is a path (a ``PathKind``), or, for a mapping
-field, ``{dotted key inside it: PathKind}``."""
+field, ``{dotted key inside it: PathKind}`` (the key ``"*"``: every value of the mapping, as in
+``extra_valid_datasets``)."""
 
 PathKind = Literal["file", "dir", "workdir", "import", "command", "model", "store"]
 """``file``: must exist. ``dir``: a folder (made when needed). ``workdir``: the working folder
@@ -135,7 +136,7 @@ def _relocate_inside(
     import copy
 
     out = copy.deepcopy(mapping)
-    for dotted, kind in kinds.items():
+    for dotted, kind in _expand(kinds, out).items():
         found = _nested(out, dotted)
         if found is None:
             continue
@@ -144,6 +145,14 @@ def _relocate_inside(
             holder[name] = _relocate(kind, holder[name], base)
         elif kind == "workdir" and holder.get("command"):
             holder[name] = str(base)  # the process starts in the config file's folder
+    return out
+
+
+def _expand(kinds: Mapping[str, str], mapping: dict[str, Any]) -> dict[str, str]:
+    """``kinds`` with a ``"*"`` entry replaced by one entry per key of ``mapping``."""
+    out = {k: v for k, v in kinds.items() if k != "*"}
+    if "*" in kinds:
+        out.update({key: kinds["*"] for key in mapping if "." not in key})
     return out
 
 
@@ -182,7 +191,7 @@ def check_config_paths(cfg: Any, prefix: str = "") -> None:
         if isinstance(kind, str):
             checks.append((prefix + f.name, kind, value))
         elif isinstance(kind, Mapping) and isinstance(value, dict):
-            for dotted, inner in kind.items():
+            for dotted, inner in _expand(kind, value).items():
                 found = _nested(value, dotted)
                 if found is not None and found[1] in found[0]:
                     checks.append((f"{prefix}{f.name}.{dotted}", inner, found[0][found[1]]))

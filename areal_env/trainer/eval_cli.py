@@ -32,8 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_experiment(prog, args)
     if cfg is None:
         return 2
+    from areal_env.http.logs import configure_run_logging
     from areal_env.trainer.data import load_items
     from areal_env.trainer.eval import arun_evaluation, format_result
+
+    # Results and warnings on the console; HTTP, MCP client and session lines in the log file.
+    log_file = configure_run_logging(
+        cfg.run_dir / "logs" / "eval.log", quiet=("mcp", "aenv", "uvicorn.access")
+    )
 
     dataset = args.dataset or cfg.valid_dataset
     if not dataset:
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(prog, str(e))
     out = args.out or "run_dir"
     print(format_result(result, args.out))
+    print(f"log file: {log_file}")
     if args.json:
         print(json.dumps({"version": result.version, **result.metrics, "out": out}))
     return 0

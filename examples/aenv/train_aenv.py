@@ -52,10 +52,6 @@ def run(argv: list[str] | None = None) -> dict:
     """Start the servers, train (evaluating on the held-out split before and after), return the
     trainer's final metrics plus ``wall_s``."""
     args = parse_args(argv)
-    from areal_env.http.logs import configure_console_logging
-
-    configure_console_logging(quiet=("mcp", "aenv", "uvicorn.access"))
-
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.envs.aenv.launcher import AenvServerLauncher
     from areal_env.trainer.ppo import PPOTrainer
@@ -66,6 +62,15 @@ def run(argv: list[str] | None = None) -> dict:
     if args.fresh:
         overrides.append("trainer.recover=off")
     cfg = load_config(ExperimentConfig, args.config, overrides)  # paths: relative to the file
+    from areal_env.http.logs import configure_run_logging
+
+    # Progress (steps, evaluations) and warnings on the console; every other line (HTTP
+    # requests, MCP reconnects, expired idle sessions) in the run's log file.
+    log_file = configure_run_logging(
+        cfg.run_dir / "logs" / "train.log", quiet=("mcp", "aenv", "uvicorn.access")
+    )
+    log = logging.getLogger("train_aenv")
+    log.info("log file (everything, at INFO): %s", log_file)
 
     t0 = time.monotonic()
     # The servers run from the aenvironment SDK in a venv of its own (.venv-aenv, created on
@@ -83,10 +88,14 @@ def run(argv: list[str] | None = None) -> dict:
         kwargs["aenv_config"] = aenv_config
         if len(servers.urls) > 1:
             kwargs["aenv_urls"] = servers.urls
-        logging.getLogger("train_aenv").info("environment servers: %s", ", ".join(servers.urls))
+        log.info("environment servers: %s", ", ".join(servers.urls))
         with PPOTrainer(cfg) as trainer:
+            setup_s = time.monotonic() - t0
+            log.info("set up in %.0f s (environment servers, model, proxy)", setup_s)
             metrics = trainer.train(workflow_kwargs=kwargs)
     metrics["wall_s"] = time.monotonic() - t0
+    metrics["setup_s"] = setup_s
+    metrics["log_file"] = str(log_file)
     return metrics
 
 
@@ -95,14 +104,18 @@ def report(metrics: dict) -> None:
     from areal_env.trainer.eval import format_before_after, read_eval_log, read_eval_summary
 
     run_dir = metrics.get("run_dir")
+    evals = read_eval_log(run_dir) if run_dir else []
+    eval_s = sum(float(e.get("time_s") or 0.0) for e in evals)
+    setup_s = float(metrics.get("setup_s") or 0.0)
+    train_s = max(0.0, metrics["wall_s"] - setup_s - eval_s)
     print(
-        f"\ndone in {metrics['wall_s'] / 60:.1f} min ({metrics.get('step')} steps); "
-        f"run folder: {run_dir}"
+        f"\ndone in {metrics['wall_s'] / 60:.1f} min ({metrics.get('step')} steps): set-up "
+        f"{setup_s / 60:.1f} min, training {train_s / 60:.1f} min, evaluation "
+        f"{eval_s / 60:.1f} min; run folder: {run_dir}"
     )
     first, last = metrics.get("reward/first_steps_mean"), metrics.get("reward/last_steps_mean")
     if first is not None and last is not None:
         print(f"  training reward: first steps {first:.3f} -> last steps {last:.3f}")
-    evals = read_eval_log(run_dir) if run_dir else []
     if len(evals) >= 2:
         before = read_eval_summary(run_dir, int(evals[0]["version"]))
         after = read_eval_summary(run_dir, int(evals[-1]["version"]))
@@ -116,6 +129,7 @@ def report(metrics: dict) -> None:
         ("trajectory dumps", "dump_dir"),
         ("eval dumps", "eval_dir"),
         ("checkpoint", "checkpoint"),
+        ("log file", "log_file"),
     ):
         if metrics.get(key):
             print(f"  {label + ':':<34}{metrics[key]}")

@@ -134,6 +134,7 @@ def test_every_path_in_a_config_file_is_relative_to_the_file(tmp_path, monkeypat
         "workflow_kwargs:\n  reward_fn: reward.py:reward\n  mcp_config:\n"
         "    command: .venv-sqlite/bin/mcp-server-sqlite\n    args: [--db-path, shop.db]\n"
         "service:\n  store: state/service.db\n"
+        "valid_dataset: data.jsonl\nextra_valid_datasets:\n  new_phrasing: data.jsonl\n"
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -150,6 +151,7 @@ def test_every_path_in_a_config_file_is_relative_to_the_file(tmp_path, monkeypat
     mcp = kwargs["mcp_config"]
     assert mcp["command"] == str(project / ".venv-sqlite" / "bin" / "mcp-server-sqlite")
     assert mcp["cwd"] == str(project)  # the server's own relative arguments resolve there too
+    assert cfg.extra_valid_datasets == {"new_phrasing": str(project / "data.jsonl")}
     assert cfg.valid_dataset == "../project/data.jsonl"  # the command line: the working dir
     assert cfg.model.path == "smollm2-135m-instruct"  # a model name stays a name
 
@@ -163,6 +165,11 @@ def test_every_path_in_a_config_file_is_relative_to_the_file(tmp_path, monkeypat
             "rewards.py",
         ),
         ("train_dataset: train.jsonl\n", "train_dataset", "train.jsonl"),
+        (
+            "valid_dataset: data.jsonl\nextra_valid_datasets:\n  new: new.jsonl\n",
+            "extra_valid_datasets.new",
+            "new.jsonl",
+        ),
         ("workflow: agents.py:Agent\n", "workflow", "agents.py"),
         (
             "workflow_kwargs:\n  mcp_config:\n    command: venv/bin/mcp-server-sqlite\n",

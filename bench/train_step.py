@@ -44,7 +44,7 @@ from areal_env.api.config import ActorConfig, ModelConfig
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.actor_lora import _enable_checkpointing
+from areal_env.trainer.actor_lora import enable_checkpointing
 
 
 def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
@@ -280,7 +280,7 @@ def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
     trainer.create_optimizer()
     # Trainer.train() would switch checkpointing on; we bypass it, so do it the same way as ours.
     if grad_ckpt and not getattr(trainer.model, "is_gradient_checkpointing", False):
-        _enable_checkpointing(trainer.model)
+        enable_checkpointing(trainer.model)
     trainer.model.config.use_cache = False
     # set by Trainer's training loop, which we bypass (one step, no gradient accumulation)
     trainer.current_gradient_accumulation_steps = 1

@@ -245,7 +245,18 @@ def run_agent_case(args, model_path: str, grad_ckpt: bool) -> dict:
     return out
 
 
-def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
+def build_trl(
+    model_path: str,
+    rows: int,
+    completion_len: int,
+    grad_ckpt: bool,
+    *,
+    bf16: bool = False,
+    use_cpu: bool | None = None,
+    lr: float = 1e-5,
+):
+    """TRL's GRPOTrainer on an fp32 model; ``bf16``: TRL's mixed precision (bf16 autocast over
+    the fp32 weights, as ``GRPOConfig(bf16=True)`` trains)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -257,13 +268,13 @@ def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
         per_device_train_batch_size=rows,
         num_generations=min(4, rows),
         max_completion_length=completion_len,
-        learning_rate=1e-5,
+        learning_rate=lr,
         beta=0.0,
         loss_type="bnpo",  # token mean over the batch: the same aggregation as ours
         gradient_checkpointing=grad_ckpt,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available() if use_cpu is None else use_cpu,
         report_to=[],
         logging_steps=1000,
         save_strategy="no",

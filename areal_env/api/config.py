@@ -278,7 +278,8 @@ class ActorConfig:
     ranks (gloo on CPU, NCCL on GPU; run under torchrun: see docs/scaling.md)."""
     fsdp_cpu_offload: bool = False
     """With strategy fsdp: keep sharded parameters, gradients and optimizer states in host
-    memory (fits bigger models, slower steps)."""
+    memory; the optimizer steps on the CPU. A 7B full fine-tune then needs ~10 GB of GPU memory
+    instead of ~127 GB, so it fits one 80 GB GPU (computed: docs/scaling.md); slower steps."""
     lora: LoraConfig | None = None
     """LoRA adapters, e.g. {r: 16, alpha: 32}; None = full fine-tuning."""
 

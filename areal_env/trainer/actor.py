@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer import memory
@@ -74,7 +75,7 @@ from areal_env.trainer.tree import (
     tree_supported,
     tree_token_logprobs,
 )
-from areal_env.trainer.tree_attention import enable_tree_attention, tree_kernel
+from areal_env.trainer.tree_attention import enable_tree_attention, flex_probe, tree_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class PPOActor:
         self.model_path = model_path
         self.model: Any = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
+        if self.tree_kernel == "flex" and actor.tree_training != "off":
+            self._check_flex()
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
@@ -147,6 +150,25 @@ class PPOActor:
             )
         self.update_count = 0
         self._warned_temp = False
+
+    def _check_flex(self) -> None:
+        """Compile and run FlexAttention once for this model's heads; with ``tree_attention:
+        auto`` a failure falls back to the sdpa kernels (with a warning), with ``flex`` it is
+        an error."""
+        cfg = self.model.config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        why = flex_probe(self.device, heads, kv_heads, head_dim, self.precision.compute)
+        if why is None:
+            return
+        if self.cfg.tree_attention == "flex":
+            raise RuntimeError(
+                f"actor.tree_attention=flex, but FlexAttention fails on {self.device}: {why}; "
+                "set actor.tree_attention=auto or sdpa"
+            )
+        logger.warning("FlexAttention fails here (%s): tree attention runs on sdpa", why)
+        self.tree_kernel = "sdpa"
 
     def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
@@ -288,8 +310,9 @@ class PPOActor:
         with_entropy: bool = False,
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        seqs = [input_ids[r, : lengths[r]] for r in rows]
-        tree = pack_rows([s.tolist() for s in seqs])
+        with record_function("tree/pack"):
+            seqs = [input_ids[r, : lengths[r]] for r in rows]
+            tree = pack_rows([s.tolist() for s in seqs])
         return tree_token_logprobs(
             model,
             tree,
@@ -497,7 +520,7 @@ class PPOActor:
                 )
             return logp.sum() * 0.0, {}
         t_one = single_temperature(pb.temps, rows, pb.mask, self.temperature)
-        with self.precision.context():
+        with self.precision.context(), record_function("actor/forward"):
             if tree and t_one is not None:
                 logp, ent = self._tree_logprobs(
                     self.model,

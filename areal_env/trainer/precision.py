@@ -30,6 +30,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.compute, cache_enabled=False)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        with record_function("actor/backward"):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping: the gradients in their true scale (fp16 loss scaling)."""
@@ -94,11 +96,12 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is None:
-            optimizer.step()
-            return
-        self.scaler.step(optimizer)
-        self.scaler.update()
+        with record_function("actor/optimizer_step"):
+            if self.scaler is None:
+                optimizer.step()
+                return
+            self.scaler.step(optimizer)
+            self.scaler.update()
 
     def skip_step(self) -> bool:
         """A step skipped for a non-finite gradient: lowers the fp16 loss scale. True when that

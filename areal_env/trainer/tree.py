@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from areal_env.api.tokens import common_prefix_len
 from areal_env.trainer.logprobs import HeadInputs, head_logprobs, logits_logprobs
@@ -279,41 +280,44 @@ def tree_token_logprobs(
     the tree attention function, else the dense mask.
     """
     device = next(model.parameters()).device
-    src_parts: list[torch.Tensor] = []
-    tgt_parts: list[torch.Tensor] = []
-    for path, m, tok in zip(tree.paths, scored, targets, strict=True):
-        m = m.bool().cpu()
-        if m.numel() and bool(m[0]):
-            raise ValueError("position 0 has no predecessor and cannot be scored")
-        sel = m.nonzero().squeeze(-1)
-        src_parts.append(path[sel - 1])
-        tgt_parts.append(tok.cpu().long()[sel])
-    src = torch.cat(src_parts)
-    tgt = torch.cat(tgt_parts)
-    uniq, inv = torch.unique(src, return_inverse=True)
-    # the head takes its tokens grouped by predecessor node (ascending): sort, then undo
-    order = torch.argsort(inv, stable=True)
-    spec = HeadInputs(
-        inv[order].to(device),
-        tgt[order].to(device),
-        1.0 / temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        chunk=chunk,
-    )
-    ids = tree.input_ids.to(device)[None]
-    pos = tree.position_ids.to(device)[None]
+    with record_function("tree/index"):
+        src_parts: list[torch.Tensor] = []
+        tgt_parts: list[torch.Tensor] = []
+        for path, m, tok in zip(tree.paths, scored, targets, strict=True):
+            m = m.bool().cpu()
+            if m.numel() and bool(m[0]):
+                raise ValueError("position 0 has no predecessor and cannot be scored")
+            sel = m.nonzero().squeeze(-1)
+            src_parts.append(path[sel - 1])
+            tgt_parts.append(tok.cpu().long()[sel])
+        src = torch.cat(src_parts)
+        tgt = torch.cat(tgt_parts)
+        uniq, inv = torch.unique(src, return_inverse=True)
+        # the head takes its tokens grouped by predecessor node (ascending): sort, then undo
+        order = torch.argsort(inv, stable=True)
+        spec = HeadInputs(
+            inv[order].to(device),
+            tgt[order].to(device),
+            1.0 / temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk=chunk,
+        )
+        ids = tree.input_ids.to(device)[None]
+        pos = tree.position_ids.to(device)[None]
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     extra: dict = {}
-    if _MASK_IMPLS.get(impl) == "kernel":
-        # the kernels ignore the mask; a 4-D placeholder keeps transformers from building one
-        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-        if kernel == "flex":
-            extra["tree_flex"] = flex_tree_mask(tree.subtree_end(), device)
+    with record_function("tree/mask"):
+        if _MASK_IMPLS.get(impl) == "kernel":
+            # the kernels ignore the mask; a 4-D placeholder keeps transformers from building one
+            mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+            if kernel == "flex":
+                extra["tree_flex"] = flex_tree_mask(tree.subtree_end(), device)
+            else:
+                extra["tree_segments"] = tree.attention_segments().to(device)
         else:
-            extra["tree_segments"] = tree.attention_segments().to(device)
-    else:
-        mask = _model_mask(model, tree.ancestor_mask(device), next(model.parameters()).dtype)
+            dtype = next(model.parameters()).dtype
+            mask = _model_mask(model, tree.ancestor_mask(device), dtype)
     args = (ids, mask, pos, uniq.to(device), spec, plain_head)
     fn = getattr(model, "areal_tree_logprobs", None)  # a sharded model's registered method
     logp_sorted, ent = fn(*args, **extra) if fn else tree_logprobs(model, *args, **extra)

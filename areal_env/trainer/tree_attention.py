@@ -220,6 +220,12 @@ def flex_tree_attention(
     fn: Any = flex_attention
     if compiled:
         if _compiled_flex is None:
+            # one compiled kernel per bucket (and per head layout/dtype): more than dynamo's
+            # default of 8 variants of one function before it falls back to eager (dense) mode
+            cfg: Any = torch._dynamo.config
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(cfg, limit):
+                    setattr(cfg, limit, max(int(getattr(cfg, limit)), 64))
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     dev = query.device.type
@@ -239,6 +245,38 @@ def flex_tree_attention(
         enable_gqa=key.shape[1] != query.shape[1],
     )
     return out[:, :, :n].transpose(1, 2)
+
+
+_PROBES: dict[tuple[Any, ...], str | None] = {}
+
+
+def flex_probe(
+    device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> str | None:
+    """None when compiled FlexAttention runs forward and backward on ``device`` for this head
+    layout; else why not (a Triton or inductor failure, an unsupported head dim). Run once per
+    layout, before training, so that ``tree_attention: auto`` can fall back to sdpa instead of
+    failing in the middle of a step."""
+    key = (str(device), heads, kv_heads, head_dim, dtype)
+    if key not in _PROBES:
+        try:
+            n = FLEX_BLOCK
+            mask = flex_tree_mask(torch.full((n,), n), device)  # one chain: causal
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (
+                torch.randn(
+                    1, h, n, head_dim, device=device, dtype=dtype, generator=g
+                ).requires_grad_()
+                for h in (heads, kv_heads, kv_heads)
+            )
+            out = flex_tree_attention(q, k, v, mask, None)
+            out.float().sum().backward()
+            if not all(t.grad is not None and bool(t.grad.isfinite().all()) for t in (q, k, v)):
+                raise RuntimeError("non-finite gradients")
+            _PROBES[key] = None
+        except Exception as e:  # any failure means: do not use it here
+            _PROBES[key] = f"{type(e).__name__}: {str(e)[:300]}"
+    return _PROBES[key]
 
 
 def flex_available() -> bool:

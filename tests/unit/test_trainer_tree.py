@@ -15,6 +15,7 @@ from areal_env.trainer.tree_attention import (
     TREE_ATTN,
     enable_tree_attention,
     flex_bucket,
+    flex_probe,
     flex_tree_attention,
     flex_tree_mask,
     segment_tree_attention,
@@ -192,6 +193,23 @@ def test_tree_kernel_picks_flex_on_cuda_only():
         tree_kernel("flex", cpu)
     with pytest.raises(ConfigError, match="tree_attention"):
         ActorConfig(tree_attention="triton").validate()  # type: ignore[arg-type]
+
+
+def test_flex_probe_finds_a_kernel_that_cannot_train_here(tiny_model_path, monkeypatch, caplog):
+    """The CPU has no FlexAttention backward: the probe says so, and an actor whose automatic
+    choice was flex (forced here, as on a GPU whose compiler fails) falls back to sdpa with a
+    warning instead of failing mid-step."""
+    import logging
+
+    import areal_env.trainer.actor as actor_module
+
+    why = flex_probe(torch.device("cpu"), 4, 2, 32, torch.float32)
+    assert why is not None and "backward" in why
+    monkeypatch.setattr(actor_module, "tree_kernel", lambda setting, device: "flex")
+    with caplog.at_level(logging.WARNING, logger="areal_env.trainer.actor"):
+        actor = PPOActor(tiny_model_path, ActorConfig(), ModelConfig(device="cpu"))
+    assert actor.tree_kernel == "sdpa"
+    assert "FlexAttention fails here" in caplog.text
 
 
 def test_ancestor_mask_matches_brute_force():

@@ -1434,11 +1434,12 @@ def fault_env_server(tokenizer: Any, how: str) -> int:
 
             t0 = time.monotonic()
             try:
-                _, stats = asyncio.run(batch())
+                result = asyncio.run(batch())
             except TimeoutError:
                 log(f"fault env_server_{how}: the batch hung")
                 return 1
-            episodes = ex.last_episodes
+            stats = result.stats
+            episodes = [e.to_dict() for e in result.episodes]
             rejected = [e for e in episodes if not e.get("accepted")]
             accepted = [e for e in episodes if e.get("accepted")]
             ok = (

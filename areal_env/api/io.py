@@ -45,7 +45,7 @@ class GenerationConfig:
     drawn from the distribution restricted to the allowed ones. A choice among several reports
     the model's own (unrestricted) logprob, which the trainer recomputes, so the importance
     ratio starts at 1; a forced token reports 0, so it carries no gradient (see
-    ``engine._sampling.sample_rows``). Engines that cannot constrain (SGLang) ignore it."""
+    ``engine.sampler.sample_rows``). Engines that cannot constrain (SGLang) ignore it."""
     choice_exploration: float = 0.0
     """Exploration of a constrained start (``prefix_choices``, the tool named by a
     ``tool_choice: required`` call): at each point where several tokens are allowed, with this

@@ -2,11 +2,10 @@
 the trainer.
 
 The proxy exports rows as JSON objects (``input_ids``, ``loss_mask``, ``logprobs``,
-``versions``, ``reward``); workflows, the executor, the service's trajectory source and the
-trainer all pass :class:`TrainingRow` lists around, and a batch is padded into tensors exactly
-once, by ``areal_env.workflow.batch.collate``. ``traj_id`` and ``group_id`` are numbered once
-for a whole batch (``areal_env.workflow.batch.number_groups``). Plain lists, no torch: light
-clients can build rows too.
+``versions``, ``reward``); an :class:`~areal_env.api.episode.Episode` holds its rows, and a
+batch of episodes is numbered and padded into tensors exactly once, by
+``areal_env.workflow.batch.collate_groups``. Plain lists, no torch: light clients can build
+rows too.
 """
 
 from __future__ import annotations

@@ -15,24 +15,19 @@ import os
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
+from areal_env.api.engine import PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
-from areal_env.engine._batch import (
-    _BatchLoop,
-    cache_keyword,
-)
-from areal_env.engine._json_end import JsonEnd
-from areal_env.engine._kv import BatchKV
-from areal_env.engine._prefix import PrefixCache
-from areal_env.engine._request import _Request
-from areal_env.engine._sampling import RowSampling
-from areal_env.engine._weights import _WeightUpdates
+from areal_env.engine.batch_worker import BatchWorker
+from areal_env.engine.json_end import JsonEnd
+from areal_env.engine.prefix_cache import PrefixCache
+from areal_env.engine.request_state import RequestState
+from areal_env.engine.sampler import RowSampling
+from areal_env.engine.weight_updater import WeightUpdater
 
 if TYPE_CHECKING:
     from areal_env.api.config import EngineConfig, ModelConfig
@@ -42,8 +37,13 @@ logger = logging.getLogger(__name__)
 _STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
 
 
-class LocalEngine(_WeightUpdates, _BatchLoop):
-    """In-process transformers engine with continuous batching (implements ``InferenceEngine``)."""
+class LocalEngine:
+    """In-process transformers engine with continuous batching (implements ``InferenceEngine``).
+
+    It checks and queues requests; its ``worker`` (a ``BatchWorker``) runs the decode loop and
+    owns the batch state, and its ``weights`` (a ``WeightUpdater``) swaps weights in between two
+    of the worker's steps.
+    """
 
     supports_state_dict_update = True
     supports_lora = True
@@ -65,50 +65,38 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {prefix_cache_mb!r}")
         self.prefix_cache_mb = prefix_cache_mb
-        self._prefix = PrefixCache(0)
         self.model_path = str(model_path)
         self._device_opt = device
         self._dtype_opt = dtype
-        self.max_batch_size = max_batch_size
         self._max_context_opt = max_context_len
-        self.num_threads = num_threads
         self.max_context_len: int = max_context_len or 0
         self.eos_token_ids: list[int] = []
-        self.tokenizer: Any = None
-        self.model: Any = None
-        self.device = torch.device("cpu")
         self.vocab_size = 0
+        self.worker = BatchWorker(max_batch_size=max_batch_size, num_threads=num_threads)
+        self.weights = WeightUpdater(self.worker)
+        self._rejected = 0  # requests refused by validation (they never reach the worker)
+        self._rejected_lock = threading.Lock()
 
-        self._cv = threading.Condition()
-        self._pending: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._live: dict[int, _Request] = {}  # id(request) -> request, until finished
-        self._kv: BatchKV | None = None
-        self._next_tokens: torch.Tensor | None = None  # [B] last sampled, not yet in the cache
-        self._positions: torch.Tensor | None = None  # [B] position of the next fed token
-        self._thread: threading.Thread | None = None
-        self._alive = False
-        self._stopping = False
-        self._paused = False
-        self._holders = 0  # callers waiting to act at a step boundary (weight updates)
-        self._in_step = False
-        self._version = 0
-        self._lora_base: dict[str, Any] = {}
-        """Base weights of the parameters a LoRA adapter changed (adapters merge onto them)."""
-        self._log_at, self._log_tokens = 0.0, 0
-        self._stats = {
-            "requests": 0,
-            "finished": 0,
-            "aborted": 0,
-            "rejected": 0,
-            "tokens_generated": 0,
-            "prefill_tokens": 0,
-            "decode_steps": 0,
-            "batch_size_sum": 0,
-            "max_batch_size_seen": 0,
-            "weight_updates": 0,
-            "prefix_cache_hit_tokens": 0,
-        }
+    # The model, its tokenizer and device live with the worker (the decode loop uses them).
+    @property
+    def model(self) -> Any:
+        return self.worker.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.worker.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.worker.max_batch_size
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.worker.num_threads
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -129,18 +117,17 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
 
     def initialize(self) -> None:
         """Load tokenizer and model and start the worker thread (idempotent)."""
-        with self._cv:
-            if self._alive:
-                return
+        if self.worker.alive:
+            return
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         t0 = time.perf_counter()
         dev = self._device_opt
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(dev)
+        device = torch.device(dev)
         dtype = {
-            "auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+            "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
             "float32": torch.float32,
             "bfloat16": torch.bfloat16,
             "float16": torch.float16,
@@ -149,19 +136,17 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
             raise ValueError(
                 f"dtype must be auto|float32|bfloat16|float16, got {self._dtype_opt!r}"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
-        model.to(self.device).eval()
+        model.to(device).eval()
         model.requires_grad_(False)
-        self.model = model
-        self._cache_keyword = cache_keyword(model)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
         self.max_context_len = min(self._max_context_opt or limit, limit)
         eos: set[int] = set()
         for source in (
-            self.tokenizer.eos_token_id,
+            tokenizer.eos_token_id,
             getattr(model.generation_config, "eos_token_id", None),
         ):
             if isinstance(source, int):
@@ -169,13 +154,8 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
             elif source:
                 eos.update(int(t) for t in source)
         self.eos_token_ids = sorted(eos)
-        self._prefix = PrefixCache(self._prefix_budget_tokens(cfg, dtype))
-        with self._cv:
-            self._alive, self._stopping = True, False
-            self._thread = threading.Thread(
-                target=self._worker, name="LocalEngine-worker", daemon=True
-            )
-            self._thread.start()
+        cache = PrefixCache(self._prefix_budget_tokens(cfg, dtype))
+        self.worker.start(model, tokenizer, device, cache)
         logger.info(
             "LocalEngine ready: %s on %s/%s, context %d, batch %d, eos %s (%.1fs)",
             os.path.basename(self.model_path.rstrip("/")),
@@ -197,64 +177,56 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
 
     def destroy(self) -> None:
         """Stop the worker; unfinished requests end with ``stop_reason="abort"``."""
-        with self._cv:
-            if not self._alive:
-                return
-            self._alive = False
-            self._stopping = True
-            self._cv.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        with self._cv:
-            leftovers = list(self._running) + list(self._pending)
-            self._running, self._pending = [], deque()
-            self._kv = None
-        for r in leftovers:
-            if not r.done:
-                self._finish(r, "abort")
-        self.model = None
-        logger.info("LocalEngine destroyed (%d unfinished requests aborted)", len(leftovers))
+        aborted = self.worker.stop()
+        if aborted is None:
+            return
+        logger.info("LocalEngine destroyed (%d unfinished requests aborted)", aborted)
 
-    # ------------------------------------------------------------------ versions, pause
-    # (weight updates: engine/_weights.py; the decode loop: engine/_batch.py)
+    # ------------------------------------------------------------------ weights, versions, pause
+    def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
+        """Swap in new weights between two decode steps, then bump the version.
+
+        ``weights`` is a state dict (same parameter names as the loaded model), the path of an
+        HF model folder or of a peft LoRA adapter folder (merged onto the base weights). Blocks
+        until the swap is done; safe to call from any thread. In-flight requests continue with
+        the new weights.
+        """
+        self.weights.update(weights)
+
+    def set_prefix_cache_mb(self, mb: float) -> None:
+        """Resize (and empty) the prefix cache at a step boundary; 0 turns it off."""
+        if mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {mb!r}")
+        with self.worker.at_step_boundary():
+            self.prefix_cache_mb = mb
+            self.worker.prefix_cache = PrefixCache(
+                self._prefix_budget_tokens(self.model.config, self.model.dtype)
+            )
+
     def get_version(self) -> int:
-        return self._version
+        return self.worker.version
 
     def set_version(self, version: int) -> None:
-        with self._cv:
-            self._version = int(version)
+        self.worker.set_version(version)
 
     def pause(self) -> None:
         """Hold generation at the next step boundary (returns once no step is running).
 
         Requests keep arriving and wait; none is lost. ``resume()`` continues them.
         """
-        with self._cv:
-            self._paused = True
-            while self._in_step:
-                self._cv.wait()
+        self.worker.pause()
 
     def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self.worker.resume()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.worker.paused
 
     def stats(self) -> dict[str, float]:
         """Counters: requests, tokens generated, decode steps, mean/max batch size, queue."""
-        with self._cv:
-            s: dict[str, float] = dict(self._stats)
-            s["running"] = len(self._live) - len(self._pending)  # incl. being prefilled
-            s["queued"] = len(self._pending)
-            s["version"] = self._version
-        s["prefix_cache_tokens"] = self._prefix.tokens
-        s["prefix_cache_capacity_tokens"] = self._prefix.max_tokens
-        steps = s["decode_steps"]
-        s["mean_batch_size"] = s["batch_size_sum"] / steps if steps else 0.0
+        s = self.worker.stats()
+        s["rejected"] = self._rejected
         return s
 
     # ------------------------------------------------------------------ request API
@@ -275,8 +247,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
         try:
             return await fut
         except asyncio.CancelledError:
-            r.cancelled = True
-            self._wake()
+            self.worker.cancel(r)
             raise
 
     async def agenerate_stream(self, req: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
@@ -294,8 +265,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
                     return
         finally:
             if not r.done:
-                r.cancelled = True
-                self._wake()
+                self.worker.cancel(r)
 
     def abort(self, rid: str) -> bool:
         """End request ``rid`` with ``stop_reason="abort"`` and the tokens produced so far.
@@ -303,19 +273,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
         Answered at once when no decode step is running (e.g. while paused), otherwise at the end
         of the current step. Returns False if no such request is in flight.
         """
-        with self._cv:
-            for r in list(self._live.values()):
-                if r.req.rid != rid or r.done:
-                    continue
-                if self._in_step:
-                    r.aborted = True
-                else:  # the worker is idle or paused: answer now; it drops the row later
-                    if r in self._pending:
-                        self._pending.remove(r)
-                    self._finish(r, "abort")
-                self._cv.notify_all()
-                return True
-        return False
+        return self.worker.abort(rid)
 
     @staticmethod
     def _threadsafe(
@@ -328,12 +286,6 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
                 pass
 
         return deliver
-
-    def _require_alive(self) -> None:
-        if not self._alive:
-            raise EngineUnavailableError(
-                "LocalEngine is not running (call initialize(); destroyed engines cannot serve)"
-            )
 
     def _validate(self, req: ModelRequest) -> None:
         ids = req.input_ids
@@ -352,13 +304,15 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
             )
         req.gconfig.validate()
 
-    def _submit(self, req: ModelRequest, deliver: Callable[[Any], None], stream: bool) -> _Request:
-        self._require_alive()
+    def _submit(
+        self, req: ModelRequest, deliver: Callable[[Any], None], stream: bool
+    ) -> RequestState:
+        self.worker.require_alive()
         try:
             self._validate(req)
         except ValueError:
-            with self._cv:
-                self._stats["rejected"] += 1
+            with self._rejected_lock:
+                self._rejected += 1
             raise
         g = req.gconfig
         stop_ids = set() if g.ignore_eos else set(self.eos_token_ids) | set(g.stop_token_ids or [])
@@ -366,7 +320,7 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
         rng = None
         if not g.is_greedy:
             rng = random.Random(g.seed if g.seed is not None else int.from_bytes(os.urandom(8)))
-        r = _Request(
+        r = RequestState(
             req=req,
             deliver=deliver,
             stream=stream,
@@ -386,15 +340,5 @@ class LocalEngine(_WeightUpdates, _BatchLoop):
             ),
             json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
         )
-        with self._cv:
-            if not self._alive:
-                raise EngineUnavailableError("LocalEngine was destroyed")
-            self._pending.append(r)
-            self._live[id(r)] = r
-            self._stats["requests"] += 1
-            self._cv.notify_all()
+        self.worker.submit(r)
         return r
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()

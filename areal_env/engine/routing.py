@@ -45,7 +45,7 @@ class ServerRouter:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._sticky_max = sticky_max
         self._down_until: dict[str, float] = {}
-        self._inflight: dict[str, int] = {}  # generations in flight per server
+        self.inflight: dict[str, int] = {}  # generations in flight per server
 
     @staticmethod
     def _keys(req: ModelRequest) -> list[str]:
@@ -85,7 +85,7 @@ class ServerRouter:
             a for a in order if self._down_until.get(a, 0.0) <= now and a not in (exclude or ())
         ]
         if healthy:
-            addr = min(healthy, key=lambda a: self._inflight.get(a, 0))
+            addr = min(healthy, key=lambda a: self.inflight.get(a, 0))
             self._rr = (self.addresses.index(addr) + 1) % n
             return addr
         # Everything looks down: try the next one anyway (it may be back).
@@ -104,12 +104,12 @@ class ServerRouter:
     def in_flight(self, addr: str) -> Iterator[None]:
         """Count a request against ``addr`` while it runs (least-loaded routing reads it)."""
         with self._lock:
-            self._inflight[addr] = self._inflight.get(addr, 0) + 1
+            self.inflight[addr] = self.inflight.get(addr, 0) + 1
         try:
             yield
         finally:
             with self._lock:
-                self._inflight[addr] -= 1
+                self.inflight[addr] -= 1
 
     def rebind(self, req: ModelRequest, addr: str) -> None:
         """From now on ``req``'s session and rid go to ``addr`` (after a failover)."""
@@ -125,7 +125,7 @@ class ServerRouter:
             for key in [k for k, a in self._sticky.items() if a == addr]:
                 del self._sticky[key]
             self._down_until.pop(addr, None)
-            self._inflight.pop(addr, None)
+            self.inflight.pop(addr, None)
             self._rr = 0
 
     def mark_down(self, addr: str) -> None:

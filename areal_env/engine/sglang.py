@@ -4,9 +4,9 @@ The same client drives real SGLang servers on GPU machines and ``areal-env serve
 engine behind the same protocol) on CPU machines, so the trainer never needs ``sglang`` itself.
 
 The wire format (SGLang's ``/generate`` and control routes) is in :mod:`areal_env.engine.sglang_wire`;
-routing (session affinity, failover) in :mod:`areal_env.engine.routing`; the HTTP to the
-server set (clients, retries, broadcasts, dropping dead servers) in
-:mod:`areal_env.engine.sglang_http`.
+routing (session affinity, failover) in :mod:`areal_env.engine.routing`; the server set the
+engine owns (its router, and the HTTP to its servers: clients, retries, broadcasts, dropping dead
+servers) in :mod:`areal_env.engine.sglang_servers`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import httpx
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
-from areal_env.engine.routing import ServerRouter, normalize_address
-from areal_env.engine.sglang_http import _RetryableHTTPError, _ServerSetHTTP
+from areal_env.engine.routing import normalize_address
+from areal_env.engine.sglang_servers import RetryableHTTPError, ServerSet
 from areal_env.engine.sglang_wire import (
     generate_payload,
     parse_generate_output,
@@ -41,7 +41,7 @@ from areal_env.http import routes
 logger = logging.getLogger(__name__)
 
 
-class SGLangEngine(_ServerSetHTTP):
+class SGLangEngine:
     """HTTP client for one or more SGLang(-compatible) servers.
 
     New requests go to the least-loaded healthy server (fewest requests in flight; ties
@@ -80,14 +80,16 @@ class SGLangEngine(_ServerSetHTTP):
             raise ValueError("SGLangEngine needs at least one server address (host:port)")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.addresses = [normalize_address(a) for a in addresses]
-        self.request_timeout = request_timeout
-        self.connect_timeout = connect_timeout
-        self.control_timeout = control_timeout
-        # ``max_retries`` counts retries after the first try, as everywhere in the package.
-        self.attempts = max_retries + 1
-        self.retry_backoff = retry_backoff
-        self.retry_max_wait = retry_max_wait
+        self.servers = ServerSet(
+            [normalize_address(a) for a in addresses],
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            control_timeout=control_timeout,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
+            retry_max_wait=retry_max_wait,
+            down_cooldown=down_cooldown,
+        )
         self.startup_timeout = startup_timeout
         self.down_cooldown = down_cooldown
         self.max_abort_resubmits = max_abort_resubmits
@@ -96,18 +98,22 @@ class SGLangEngine(_ServerSetHTTP):
         """Prompt + completion limit reported by the servers (None until ``initialize()``)."""
         self.tokenizer = None  # servers tokenize; callers load their own from ``model_path``
         self.eos_token_ids: list[int] = []  # the servers stop on eos themselves
-        self._owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
+        self.owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
         self._launch = launch  # called by initialize() when there is no server yet
         self._version = 0
-        self._lock = threading.Lock()
-        self.router = ServerRouter(self.addresses, down_cooldown)
-        self.dropped: list[str] = []
-        """Servers taken out for good: they missed a weight update (see ``_broadcast``)."""
         self._resumed = threading.Event()
         self._resumed.set()
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-        self._sync_client: httpx.Client | None = None
         self._destroyed = False
+
+    @property
+    def addresses(self) -> list[str]:
+        """The servers in rotation (``host:port``)."""
+        return self.servers.addresses
+
+    @property
+    def dropped(self) -> list[str]:
+        """Servers taken out for good: they missed a weight update."""
+        return self.servers.dropped
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -115,16 +121,15 @@ class SGLangEngine(_ServerSetHTTP):
         """Launch servers if asked to, wait until every server answers ``/health``, and adopt
         their weight version when all report the same integer."""
         self._destroyed = False
-        if self._launch is not None and self._owned is None:
-            self._owned = self._launch()
-            self.addresses = [normalize_address(a) for a in self._owned.addresses]
-            self.router.addresses = self.addresses
+        if self._launch is not None and self.owned is None:
+            self.owned = self._launch()
+            self.servers.addresses = [normalize_address(a) for a in self.owned.addresses]
         deadline = time.monotonic() + self.startup_timeout
         versions = []
         for addr in self.addresses:
             while True:
                 try:
-                    r = self._client_sync().get(f"http://{addr}{routes.HEALTH}", timeout=5.0)
+                    r = self.servers.client_sync().get(f"http://{addr}{routes.HEALTH}", timeout=5.0)
                     if r.status_code == 200:
                         break
                 except httpx.TransportError:
@@ -135,7 +140,7 @@ class SGLangEngine(_ServerSetHTTP):
                     )
                 time.sleep(0.2)
             try:
-                info = self._client_sync().get(f"http://{addr}/get_model_info", timeout=10.0)
+                info = self.servers.client_sync().get(f"http://{addr}/get_model_info", timeout=10.0)
                 if info.status_code == 200:
                     data = info.json()
                     versions.append(parse_version(data.get("weight_version")))
@@ -155,7 +160,9 @@ class SGLangEngine(_ServerSetHTTP):
         value = model_info.get("max_context_len")
         if not value:
             try:
-                models = self._client_sync().get(f"http://{addr}/v1/models", timeout=10.0).json()
+                models = (
+                    self.servers.client_sync().get(f"http://{addr}/v1/models", timeout=10.0).json()
+                )
                 value = models["data"][0].get("max_model_len")
             except (httpx.TransportError, ValueError, KeyError, IndexError, TypeError):
                 value = None
@@ -165,22 +172,8 @@ class SGLangEngine(_ServerSetHTTP):
         """Close HTTP clients (on their own loops) and stop servers this engine launched."""
         self._destroyed = True
         self._resumed.set()
-        with self._lock:
-            clients, self._clients = dict(self._clients), {}
-            sync_client, self._sync_client = self._sync_client, None
-        for loop, client in clients.items():
-            if loop.is_closed():
-                continue
-            try:
-                if loop.is_running():
-                    asyncio.run_coroutine_threadsafe(client.aclose(), loop)
-                else:
-                    loop.run_until_complete(client.aclose())
-            except RuntimeError:
-                pass
-        if sync_client is not None:
-            sync_client.close()
-        owned, self._owned = self._owned, None
+        self.servers.close()
+        owned, self.owned = self.owned, None
         if owned is not None:
             owned.stop()
 
@@ -195,10 +188,7 @@ class SGLangEngine(_ServerSetHTTP):
 
     def route(self, req: ModelRequest) -> tuple[str, bool]:
         """Pick the server for ``req``: (address, sticky). Sticky = seen this session/rid before."""
-        return self.router.route(req)
-
-    def _rebind(self, req: ModelRequest, addr: str) -> None:
-        self.router.rebind(req, addr)
+        return self.servers.router.route(req)
 
     # ------------------------------------------------------------------ generation
 
@@ -214,21 +204,21 @@ class SGLangEngine(_ServerSetHTTP):
         tried: set[str] = set()
         while True:
             try:
-                with self.router.in_flight(addr):
-                    out = await self._apost(addr, routes.GENERATE, payload)
-                self.router.mark_up(addr)
+                with self.servers.router.in_flight(addr):
+                    out = await self.servers.apost(addr, routes.GENERATE, payload)
+                self.servers.router.mark_up(addr)
                 return addr, out
             except EngineUnavailableError:
-                self.router.mark_down(addr)
+                self.servers.router.mark_down(addr)
                 tried.add(addr)
                 # A fresh request may move to another server; a sticky one names its server.
                 if sticky or len(tried) >= len(self.addresses):
                     raise
-                addr = self.router.next_healthy(exclude=tried)
+                addr = self.servers.router.next_healthy(exclude=tried)
                 if addr in tried:
                     raise
                 logger.warning("failing over request %s to %s", req.rid, addr)
-                self._rebind(req, addr)
+                self.servers.router.rebind(req, addr)
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate a completion; aborted segments (pause / weight update) are continued."""
@@ -336,13 +326,15 @@ class SGLangEngine(_ServerSetHTTP):
         """One SSE /generate. Opening the stream is retried (with failover for a fresh request);
         once events flow, a broken stream is an error (re-sending would duplicate work)."""
         addr, sticky = self.route(req)
-        client = self._client()
+        client = self.servers.client()
         tried: set[str] = set()
         while True:
             last: BaseException | None = None
-            for i in range(self.attempts):
+            for i in range(self.servers.attempts):
                 if i:
-                    await asyncio.sleep(min(self.retry_backoff * 2**i, self.retry_max_wait))
+                    await asyncio.sleep(
+                        min(self.servers.retry_backoff * 2**i, self.servers.retry_max_wait)
+                    )
                 try:
                     resp = await client.send(
                         client.build_request(
@@ -356,29 +348,29 @@ class SGLangEngine(_ServerSetHTTP):
                 if resp.status_code >= 500:
                     await resp.aread()
                     await resp.aclose()
-                    last = _RetryableHTTPError(resp.status_code, resp.text)
+                    last = RetryableHTTPError(resp.status_code, resp.text)
                     continue
                 break
             else:
-                self.router.mark_down(addr)
+                self.servers.router.mark_down(addr)
                 tried.add(addr)
-                error = self._unavailable(addr, last or RuntimeError("no answer"))
+                error = self.servers.unavailable(addr, last or RuntimeError("no answer"))
                 if sticky or len(tried) >= len(self.addresses):
                     raise error
-                nxt = self.router.next_healthy(exclude=tried)
+                nxt = self.servers.router.next_healthy(exclude=tried)
                 if nxt in tried:
                     raise error
                 addr = nxt
-                self._rebind(req, addr)
+                self.servers.router.rebind(req, addr)
                 continue
             break
-        self.router.mark_up(addr)
-        counted = self.router.in_flight(addr)
+        self.servers.router.mark_up(addr)
+        counted = self.servers.router.in_flight(addr)
         counted.__enter__()
         try:
             if resp.status_code >= 400:
                 await resp.aread()
-                self._check(resp, addr, routes.GENERATE)
+                self.servers.check(resp, addr, routes.GENERATE)
             try:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -405,12 +397,12 @@ class SGLangEngine(_ServerSetHTTP):
         """Pause every server; in-flight requests are aborted and continued after ``resume()``."""
         self._resumed.clear()
         # pause/continue frame every weight update: a dead server is dropped here already
-        self._broadcast(routes.PAUSE_GENERATION, {"mode": "abort"}, drop_unreachable=True)
+        self.servers.broadcast(routes.PAUSE_GENERATION, {"mode": "abort"}, drop_unreachable=True)
 
     def resume(self) -> None:
         """Continue every server; held requests proceed even if one server cannot be reached."""
         try:
-            self._broadcast(routes.CONTINUE_GENERATION, {}, drop_unreachable=True)
+            self.servers.broadcast(routes.CONTINUE_GENERATION, {}, drop_unreachable=True)
         finally:
             self._resumed.set()
 
@@ -432,7 +424,7 @@ class SGLangEngine(_ServerSetHTTP):
         if not was_paused:
             self.pause()
         try:
-            results = self._broadcast(
+            results = self.servers.broadcast(
                 routes.UPDATE_WEIGHTS_FROM_DISK,
                 {"model_path": path, "weight_version": str(new_version), "flush_cache": True},
                 drop_unreachable=True,
@@ -456,14 +448,14 @@ class SGLangEngine(_ServerSetHTTP):
 
     def set_version(self, version: int) -> None:
         """Set our version and every server's ``weight_version`` (tokens report it)."""
-        self._broadcast(routes.UPDATE_WEIGHT_VERSION, {"new_version": str(int(version))})
+        self.servers.broadcast(routes.UPDATE_WEIGHT_VERSION, {"new_version": str(int(version))})
         self._version = int(version)
 
     def stats(self) -> dict[str, float]:
         """Server counts (per-server engine stats live behind ``/get_server_info``)."""
         return {
             "servers": float(len(self.addresses)),
-            "servers_up": float(self.router.up()),
+            "servers_up": float(self.servers.router.up()),
             "servers_dropped": float(len(self.dropped)),
         }
 
@@ -473,7 +465,9 @@ class SGLangEngine(_ServerSetHTTP):
         for addr in self.addresses:
             try:
                 out[addr] = (
-                    self._client_sync().get(f"http://{addr}{routes.HEALTH}", timeout=5).is_success
+                    self.servers.client_sync()
+                    .get(f"http://{addr}{routes.HEALTH}", timeout=5)
+                    .is_success
                 )
             except httpx.TransportError:
                 out[addr] = False

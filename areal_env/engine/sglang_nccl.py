@@ -66,7 +66,7 @@ class NcclWeightSync:
 
         def one(addr: str, body: dict) -> None:
             try:
-                res = self.engine._post(addr, path, body)
+                res = self.engine.servers.post(addr, path, body)
                 if isinstance(res, dict) and res.get("success") is False:
                     errors[addr] = str(res.get("message"))
             except Exception as e:  # noqa: BLE001 - collected and reported below

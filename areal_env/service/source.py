@@ -1,8 +1,9 @@
 """``ExternalTrajectorySource``: training batches filled by trajectories that external agents finish.
 
 The gateway ``put``s each finalized session's exported trajectory here (from its own thread and
-event loop); the trainer awaits ``rollout_batch`` (from another loop), which has the same shape
-as ``RolloutExecutor.rollout_batch`` so the trainer can take either as its batch source.
+event loop), where it becomes an :class:`~areal_env.api.episode.Episode`; the trainer awaits
+``next_batch`` (from another loop) and gets a :class:`~areal_env.api.source.RolloutBatch`, as
+from the ``RolloutExecutor``, so it takes either as its batch source.
 
 Grouping: sessions carrying the same ``group_id`` form one GRPO group (across clients); a group
 is complete once ``n_samples`` successful trajectories arrived (failed sessions do not count, so a
@@ -28,16 +29,14 @@ import time
 from collections import deque
 from typing import Any
 
-from areal_env.api.source import SourceClosedError
+from areal_env.api.episode import Episode
+from areal_env.api.source import RolloutBatch, SourceClosedError
 from areal_env.service.trajectories import (
-    Trajectory,
     TrajectoryGroup,
-    batch_stats,
-    collate_groups,
-    to_trajectory,
+    external_episode,
+    service_stats,
+    store_row,
 )
-
-__all__ = ["ExternalTrajectorySource", "SourceClosedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,8 @@ class ExternalTrajectorySource:
         self._invalid_since_batch = 0
         self.total_received = 0
         self.total_failed = 0
-        self.last_episodes: list[dict[str, Any]] = []
+        self.last_batch: RolloutBatch | None = None
+        """The batch handed out last (what the trainer trained on)."""
 
     # -- producer side (any thread) --------------------------------------------------------
 
@@ -131,15 +131,16 @@ class ExternalTrajectorySource:
         """Add to its group (lock held)."""
         group = self._group_for(group_id)
         try:
-            traj = to_trajectory(next(self._traj_ids), group.key, trajectory)
+            episode = external_episode(
+                trajectory, group_key=group.key, uid=next(self._traj_ids), store_row=row_id
+            )
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("dropping an unusable trajectory of group %s: %s", group.key, e)
             self._invalid_since_batch += 1
             if row_id is not None and self.store is not None:
                 self.store.drop_trajectories([row_id], self._step, "invalid")
             return
-        traj.row_id = row_id
-        group.members.append(traj)
+        group.members.append(episode)
         self.total_received += 1
         self._maybe_complete(group)
 
@@ -207,15 +208,19 @@ class ExternalTrajectorySource:
                 if not group.members:  # its wait counts from its first member's arrival
                     group.created = now_mono - max(0.0, now_wall - st.created)
                 try:
-                    traj = to_trajectory(next(self._traj_ids), group.key, st.record)
+                    episode = external_episode(
+                        st.record,
+                        group_key=group.key,
+                        uid=next(self._traj_ids),
+                        store_row=st.row_id,
+                    )
                 except (KeyError, TypeError, ValueError) as e:
                     logger.warning("stored trajectory %s is unusable: %s", st.session_id, e)
                     self.store.drop_trajectories([st.row_id], restored_step, "invalid")
                     continue
-                traj.row_id = st.row_id
-                if trainer_version is not None and self._is_stale(traj, trainer_version):
+                if trainer_version is not None and self._is_stale(episode, trainer_version):
                     self._stale_on_load += 1
-                group.members.append(traj)
+                group.members.append(episode)
                 self.total_reloaded += 1
                 self._maybe_complete(group)
             self._admitted = self.total_reloaded
@@ -393,15 +398,13 @@ class ExternalTrajectorySource:
             pending = sum(len(g.members) for g in self._open.values())
             return pending + (len(self._auto.members) if self._auto else 0)
 
-    def _is_stale(self, traj: Trajectory, trainer_version: int) -> bool:
-        return (
-            traj.min_version is not None
-            and trainer_version - traj.min_version > self.max_head_offpolicyness
-        )
+    def _is_stale(self, episode: Episode, trainer_version: int) -> bool:
+        oldest = episode.min_version
+        return oldest is not None and trainer_version - oldest > self.max_head_offpolicyness
 
     def _split_stale(
         self, group: TrajectoryGroup, trainer_version: int
-    ) -> tuple[list[Trajectory], list[Trajectory], int]:
+    ) -> tuple[list[Episode], list[Episode], int]:
         """``(to train, to drop, trained past the bound)`` of a group's members."""
         if self.train_stale:
             over = sum(self._is_stale(t, trainer_version) for t in group.members)
@@ -412,8 +415,8 @@ class ExternalTrajectorySource:
 
     uses_proxy = False
     """The trainer grants no proxy capacity for this source (the gateway admits sessions)."""
-    # The BatchSource protocol (areal_env.api.source): next_batch, set_version, last_episodes,
-    # aclose. The data lives with the external agents: nothing is submitted.
+    # The BatchSource protocol (areal_env.api.source): next_batch, set_version, aclose. The
+    # data lives with the external agents: nothing is submitted.
 
     async def next_batch(
         self,
@@ -422,7 +425,7 @@ class ExternalTrajectorySource:
         batch_size: int | None = None,
         timeout: float | None = None,
         step: int | None = None,
-    ) -> tuple[dict | None, dict[str, float]]:
+    ) -> RolloutBatch:
         """``rollout_batch`` with an explicit number of groups."""
         return await self.rollout_batch(
             trainer_version=trainer_version, timeout=timeout, batch_size=batch_size, step=step
@@ -438,15 +441,15 @@ class ExternalTrajectorySource:
         timeout: float | None = None,
         batch_size: int | None = None,
         step: int | None = None,
-    ) -> tuple[dict | None, dict[str, float]]:
-        """Wait for ``batch_size`` complete groups and return ``(tensor batch, stats)``.
+    ) -> RolloutBatch:
+        """Wait for ``batch_size`` complete groups and return them.
 
         ``step`` is the trainer step the batch is for (default: one past the last batch); with a
         store the trajectories are marked consumed at it before they are returned.
 
         The data lives with the external agents. Trajectories generated on weights more than
         ``max_head_offpolicyness`` versions behind ``trainer_version`` are dropped (counted).
-        ``timeout`` (seconds) returns ``(None, stats)`` when not enough groups arrived.
+        ``timeout`` (seconds) returns what arrived by then (possibly an empty batch).
         """
         want = int(batch_size or self.batch_size)
         self._step_finished()  # the previous step is over, whether it updated or not
@@ -455,8 +458,8 @@ class ExternalTrajectorySource:
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
         waiter = (loop, event)
-        selected: list[list[Trajectory]] = []
-        stale_trajs: list[Trajectory] = []
+        selected: list[list[Episode]] = []
+        stale_trajs: list[Episode] = []
         over_bound = 0
         with self._lock:
             self._waiters.add(waiter)
@@ -490,7 +493,7 @@ class ExternalTrajectorySource:
             with self._lock:  # cancelled or closed: give the groups back, oldest first
                 for members in reversed(selected):
                     self._ready.appendleft(
-                        TrajectoryGroup(key=members[0].group_key, members=members)
+                        TrajectoryGroup(key=str(members[0].group_id), members=members)
                     )
             raise
         finally:
@@ -502,8 +505,8 @@ class ExternalTrajectorySource:
             with self._lock:
                 self._batches_taken += 1
         if self.store is not None:
-            consumed = [t.row_id for g in selected for t in g if t.row_id is not None]
-            dropped = [t.row_id for t in stale_trajs if t.row_id is not None]
+            consumed = [r for g in selected for e in g if (r := store_row(e)) is not None]
+            dropped = [r for e in stale_trajs if (r := store_row(e)) is not None]
             await asyncio.to_thread(self.store.mark_consumed, consumed, step)
             await asyncio.to_thread(self.store.drop_trajectories, dropped, step, "stale")
         if stale_trajs:
@@ -525,31 +528,30 @@ class ExternalTrajectorySource:
                 trainer_version,
             )
         waited = time.monotonic() - start
-        return self._finish(selected, len(stale_trajs), over_bound, trainer_version, waited)
+        for e in stale_trajs:
+            e.accepted, e.reason = False, "stale"
+        return self._finish(selected, stale_trajs, over_bound, trainer_version, waited)
 
     def _finish(
         self,
-        groups: list[list[Trajectory]],
-        stale: int,
+        groups: list[list[Episode]],
+        stale: list[Episode],
         over_bound: int,
         trainer_version: int,
         waited: float,
-    ) -> tuple[dict | None, dict[str, float]]:
+    ) -> RolloutBatch:
         with self._lock:
             failed, self._failed_since_batch = self._failed_since_batch, 0
             invalid, self._invalid_since_batch = self._invalid_since_batch, 0
-        stats = batch_stats(
+        stats = service_stats(
             groups,
             n_samples=self.n_samples,
             trainer_version=trainer_version,
-            stale=stale,
+            stale=len(stale),
             over_bound=over_bound,
             failed=failed,
             invalid=invalid,
             waited=waited,
         )
-        trajs = [t for g in groups for t in g]
-        self.last_episodes = [dict(t.record, group_key=t.group_key) for t in trajs]
-        if not trajs:
-            return None, stats
-        return collate_groups(groups), stats
+        self.last_batch = RolloutBatch(groups, stale, stats, trainer_version)
+        return self.last_batch

@@ -1,5 +1,6 @@
-"""The external trajectories the service batches: one finished session (``Trajectory``), the
-GRPO group it waits in, the tensor batch a list of groups collates to, and the batch's stats.
+"""External sessions as episodes: a finished session's record becomes an
+:class:`~areal_env.api.episode.Episode`, waits in its GRPO group, and a batch's service
+counters are added to the executor's (``workflow.batch.rollout_stats``).
 
 Apart from ``source`` (the queue, admission and durability) so each stays one job.
 """
@@ -10,72 +11,54 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_env.api.rows import TrainingRow, rows_from_export
-from areal_env.workflow.batch import collate, number_groups
+from areal_env.api.episode import Episode
+from areal_env.workflow.batch import rollout_stats
 
-__all__ = ["Trajectory", "TrajectoryGroup", "batch_stats", "collate_groups", "to_trajectory"]
+#: What an external episode keeps of its session record besides the export itself.
+ORIGIN_KEYS = ("group_id", "user", "status", "metadata", "final_reward")
 
 
-@dataclass
-class Trajectory:
-    """One finished external session, ready to be batched."""
+def external_episode(
+    record: dict[str, Any], *, group_key: str, uid: int, store_row: int | None = None
+) -> Episode:
+    """The episode of one finished session (the gateway's record: the proxy's export plus the
+    session's metadata). ``ValueError`` when it has no rows to train on."""
+    final = record.get("final_reward")
+    origin = {k: record.get(k) for k in ORIGIN_KEYS}
+    if store_row is not None:
+        origin["store_row"] = store_row
+    return Episode.from_export(
+        record,
+        task_id=record.get("task_id"),
+        group_id=group_key,
+        session_id=record.get("session_id"),
+        reward=final,
+        score=float(final) if final is not None else None,
+        uid=uid,
+        origin=origin,
+    )
 
-    traj_id: int
-    group_key: str
-    rows: list[TrainingRow]
-    reward: float
-    min_version: int | None
-    """Oldest weights version among the generated tokens (None: no generated tokens)."""
-    max_version: int | None
-    num_tokens: int
-    record: dict[str, Any]
-    """The raw export (plus gateway metadata), kept for trajectory dumps."""
-    row_id: int | None = None
-    """Its row in the service store (None without a store)."""
+
+def store_row(episode: Episode) -> int | None:
+    """The episode's row in the service store (``None`` without a store)."""
+    row = episode.origin.get("store_row")
+    return int(row) if row is not None else None
 
 
 @dataclass
 class TrajectoryGroup:
+    """External episodes waiting for their group to complete."""
+
     key: str
     created: float = field(default_factory=time.monotonic)
-    members: list[Trajectory] = field(default_factory=list)
+    members: list[Episode] = field(default_factory=list)
     failed: int = 0
     abandoned: int = 0
     """Members that failed and will not be retried: the group stops waiting for them."""
 
 
-def to_trajectory(traj_id: int, group_key: str, record: dict[str, Any]) -> Trajectory:
-    rows = rows_from_export(record.get("trajectories", record.get("rows", {})))
-    if not rows:
-        raise ValueError("trajectory has no rows (the session made no completions)")
-    versions = [v for r in rows for v in r.generated_versions()]
-    if record.get("final_reward") is not None:
-        reward = float(record["final_reward"])
-    else:
-        reward = sum(r.reward for r in rows) / len(rows)
-    return Trajectory(
-        traj_id=traj_id,
-        group_key=group_key,
-        rows=rows,
-        reward=reward,
-        min_version=min(versions) if versions else None,
-        max_version=max(versions) if versions else None,
-        num_tokens=sum(r.num_tokens for r in rows),
-        record=record,
-    )
-
-
-def collate_groups(groups: list[list[Trajectory]]) -> dict:
-    """One tensor batch; ``group_ids`` index the group in the batch, ``traj_ids`` the session."""
-    for group in groups:
-        for traj in group:
-            for row in traj.rows:
-                row.traj_id = traj.traj_id
-    return collate(number_groups([[r for t in g for r in t.rows] for g in groups]))
-
-
-def batch_stats(
-    groups: list[list[Trajectory]],
+def service_stats(
+    groups: list[list[Episode]],
     *,
     n_samples: int,
     trainer_version: int,
@@ -85,39 +68,19 @@ def batch_stats(
     invalid: int,
     waited: float,
 ) -> dict[str, float]:
-    """The batch's counters, under the same names as the ``RolloutExecutor``'s stats so the
-    trainer logs both alike. ``stale``: dropped past the staleness bound; ``over_bound``: past
-    it but trained (``service.stale_trajectories: train``)."""
-    trajs = [t for g in groups for t in g]
-    rewards = [t.reward for t in trajs]
-    n = len(rewards)
-    mean = sum(rewards) / n if n else 0.0
-    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5 if n else 0.0
-    staleness = [trainer_version - t.min_version for t in trajs if t.min_version is not None]
-    return {
-        "episodes/accepted": float(n),
-        "episodes/rejected": float(stale + failed + invalid),
-        "rejected/stale": float(stale),
-        "rejected/failed": float(failed),
-        "rejected/invalid": float(invalid),
-        "groups/accepted": float(len(groups)),
-        "groups/incomplete": float(sum(1 for g in groups if len(g) < n_samples)),
-        "groups/zero_variance": float(
-            sum(
-                1
-                for g in groups
-                if len(g) > 1 and max(t.reward for t in g) - min(t.reward for t in g) < 1e-8
-            )
-        ),
-        "reward/mean": mean,
-        "reward/std": std,
-        "reward/min": min(rewards) if rewards else 0.0,
-        "reward/max": max(rewards) if rewards else 0.0,
-        "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
-        "staleness/max": float(max(staleness)) if staleness else 0.0,
-        "staleness/over_bound": float(over_bound),
-        "rows": float(sum(len(t.rows) for t in trajs)),
-        "tokens/output": float(sum(r.num_trained for t in trajs for r in t.rows)),
-        "tokens/total": float(sum(t.num_tokens for t in trajs)),
-        "time/wall": waited,
-    }
+    """The batch's counters: the executor's (``rollout_stats``) plus the service's own.
+    ``stale``: dropped past the staleness bound; ``over_bound``: past it but trained
+    (``service.stale_trajectories: train``); ``failed`` / ``invalid``: sessions that ended
+    without a usable trajectory since the last batch."""
+    stats = rollout_stats(groups, [], trainer_version=trainer_version, wall_time=waited)
+    stats.update(
+        {
+            "episodes/rejected": float(stale + failed + invalid),
+            "rejected/stale": float(stale),
+            "rejected/failed": float(failed),
+            "rejected/invalid": float(invalid),
+            "groups/incomplete": float(sum(1 for g in groups if len(g) < n_samples)),
+            "staleness/over_bound": float(over_bound),
+        }
+    )
+    return stats

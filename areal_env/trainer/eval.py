@@ -127,7 +127,7 @@ class EvalResult:
 def episode_metrics(
     episodes: list[dict[str, Any]], success_reward: float = 1.0
 ) -> tuple[dict[str, float], dict[str, bool], dict[str, float]]:
-    """Metrics of a list of episode records (``EpisodeRecord.to_dict()``) and per-task outcomes.
+    """Metrics of a list of episode records (``Episode.to_dict()``) and per-task outcomes.
 
     A rejected episode (agent error, timeout, no model call) counts as a failure with reward 0:
     leaving it out would flatter the model.
@@ -254,8 +254,8 @@ class Evaluator:
         t0 = time.perf_counter()
         logger.info("evaluating version %d on %d held-out items (greedy)", version, len(self.items))
         self.executor.set_version(version)
-        _, _ = await self.executor.rollout_batch(self.items, trainer_version=version)
-        episodes = list(self.executor.last_episodes)
+        batch = await self.executor.rollout_batch(self.items, trainer_version=version)
+        episodes = [e.to_dict() for e in batch.episodes]
         metrics, outcomes, rewards = episode_metrics(episodes, self.success_reward)
         metrics["time_s"] = time.perf_counter() - t0
         result = EvalResult(version, step, metrics, outcomes, rewards)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_env.api.source import TensorBatch
+from areal_env.api.source import RolloutBatch
 from areal_env.trainer.data import DataLoader
 from areal_env.workflow.executor import RolloutExecutor
 
@@ -36,10 +36,6 @@ class DatasetSource:
         self.data_state: dict[str, Any] | None = None
         """The data position after the batch last returned (items drawn ahead not counted)."""
 
-    @property
-    def last_episodes(self) -> list[dict[str, Any]]:
-        return self.executor.last_episodes
-
     def set_version(self, version: int) -> None:
         self.executor.set_version(version)
 
@@ -56,7 +52,7 @@ class DatasetSource:
 
     async def next_batch(
         self, *, trainer_version: int, batch_size: int | None = None
-    ) -> tuple[TensorBatch | None, dict[str, float]]:
+    ) -> RolloutBatch:
         if self._left is not None:
             self._left -= 1
         if not self.prefetch:

@@ -1,29 +1,22 @@
 """``PPOTrainer``: rollouts through the proxy → PPO update → weight push → version bump.
 
-One training step:
-1. take ``rollout.batch_size`` items from the dataset (shuffled with ``seed``, position saved);
-2. ``RolloutExecutor.rollout_batch`` runs ``n_samples`` episodes per item through the proxy
-   (or, with ``rollout.max_head_offpolicyness > 0``, the next batch is already rolling out
-   while this one trains);
-3. ``PPOActor.update`` in a worker thread (the event loop — proxy sessions, prefetching — stays
-   responsive);
-4. push the new weights to the engine (in-process state dict, or an HF folder under
-   ``run_dir/weights/v{N}`` for engines that load from disk) and bump the version everywhere;
-5. metrics, trajectory dumps, reward plot, and a checkpoint every ``trainer.save_freq_steps``.
+One training step (``atrain`` reads top to bottom):
+1. a batch of episodes from the :class:`~areal_env.api.source.BatchSource`, collated into
+   tensors once (``workflow.batch.collate_groups``): by default a
+   ``DatasetSource`` (``rollout.batch_size`` dataset items, ``n_samples`` episodes each, run by
+   a ``RolloutExecutor`` through the trainer's own proxy; with
+   ``rollout.max_head_offpolicyness > 0`` the next batch already rolls out while this one
+   trains), or any other source passed in (e.g. the any-agent service's trajectories);
+2. ``PPOActor.update`` in a worker thread (the event loop — proxy sessions, prefetching —
+   stays responsive); a batch without signal may be redrawn
+   (``trainer.redraw_batches_without_signal``);
+3. the new weights to the engine (``WeightPusher``) and the version + 1 everywhere;
+4. trajectory dumps, held-out evaluation, metrics and the reward plot, a checkpoint every
+   ``trainer.save_freq_steps`` (``RunBooks``).
 
-A batch where every episode was rejected skips the update (logged as ``update_skipped``) and
-training goes on. The trainer's model copy is separate from the engine's.
-
-Batches come from a :class:`~areal_env.api.source.BatchSource`: by default a
-``DatasetSource`` (dataset + workflow + ``RolloutExecutor`` through the trainer's own proxy);
-``PPOTrainer(cfg, source=src, engine=engine)`` takes them from any other source (e.g. the
-any-agent service's ``ExternalTrajectorySource``): no data loader, no proxy or executor of its
-own. Everything else — recover, metrics, dumps, plot, checkpoints — is the same loop. A
-passed-in engine is pushed to but never destroyed (its owner does that).
-
-This module holds the loop and its steps; the rest of the class lives in its bases, one job
-each: ``ppo_setup`` (models, proxy, source, evaluator) < ``ppo_bookkeeping`` (checkpoint,
-resume, dumps, metrics) < ``ppo_push`` (ranks, weight push) < ``ppo_state`` (the attributes).
+The trainer holds its parts as objects: the models (``setup.build_models``), the books, the
+weight pusher and, under torchrun, the channel that tells the other ranks which collective
+comes next. A passed-in engine is pushed to but never destroyed (its owner does that).
 """
 
 from __future__ import annotations
@@ -39,22 +32,34 @@ from typing import Any
 from areal_env.api.config import ExperimentConfig
 from areal_env.api.config_load import validate_config
 from areal_env.api.engine import InferenceEngine
-from areal_env.api.source import BatchSource, SourceClosedError, TensorBatch
+from areal_env.api.episode import Episode
+from areal_env.api.source import BatchSource, RolloutBatch, SourceClosedError
 from areal_env.proxy.server import ProxyServer
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.books import RunBooks, RunPosition
 from areal_env.trainer.data import DataLoader, load_items
-from areal_env.trainer.dist import SINGLE
+from areal_env.trainer.dist import SINGLE, DistContext
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.faults import fault_from_env, kill_now
 from areal_env.trainer.feed import DatasetSource
-from areal_env.trainer.ppo_setup import TrainerSetup
-from areal_env.trainer.stats import MetricsLogger, Progress
+from areal_env.trainer.push import WeightPusher
+from areal_env.trainer.ranks import RankChannel
+from areal_env.trainer.setup import (
+    build_models,
+    dataset_source,
+    join_process_group,
+    make_evaluator,
+    seed_everything,
+    start_proxy,
+)
+from areal_env.trainer.stats import Progress
+from areal_env.workflow.batch import collate_groups
 
 logger = logging.getLogger(__name__)
 
 
-class PPOTrainer(TrainerSetup):
+class PPOTrainer:
     """Trains ``config.model`` with PPO/GRPO on episodes of an agent workflow.
 
     ``with PPOTrainer(cfg, dataset) as t: t.train(workflow="my_agent.py:Agent")``. The dataset is
@@ -62,10 +67,10 @@ class PPOTrainer(TrainerSetup):
 
     ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
     workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
-    source is closed). ``engine``: an initialized engine to
-    generate with and push weights to; the caller keeps ownership. ``on_checkpoint(step,
-    path)``: called (rank 0) after each checkpoint is written, e.g. to mark the trajectories
-    trained so far as durable (``areal-env serve-training`` commits its store there).
+    source is closed). ``engine``: an initialized engine to generate with and push weights to;
+    the caller keeps ownership. ``on_checkpoint(step, path)``: called (rank 0) after each
+    checkpoint is written, e.g. to mark the trajectories trained so far as durable
+    (``areal-env serve-training`` commits its store there).
     """
 
     def __init__(
@@ -88,34 +93,51 @@ class PPOTrainer(TrainerSetup):
             self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
         elif train_dataset is not None:
             raise ValueError("pass either a train_dataset or an external source, not both")
-        self.valid_items: list[dict[str, Any]] | None = None
         valid = valid_dataset if valid_dataset is not None else config.valid_dataset
-        if valid is not None:
-            self.valid_items = list(load_items(valid))
+        self.valid_items = list(load_items(valid)) if valid is not None else None
         self.run_dir = Path(config.run_dir)
-        self.checkpoint_failures = 0
-        self.ckpt_root = self.run_dir / "checkpoints"
+        self.position = RunPosition()
+        self.dist: DistContext = SINGLE
+        self.ranks = RankChannel(SINGLE)
+        self.books = RunBooks(config, self.ranks, on_checkpoint=on_checkpoint)
         self.engine: InferenceEngine | None = engine
-        self._own_engine = engine is None
-        self.proxy: ProxyServer | None = None
+        self._own_engine = False
+        self.source: BatchSource | None = source
+        # set up by atrain (rank 0 holds them all; other ranks only the actor)
         self.actor: PPOActor | None = None
         self.tokenizer: Any = None
-        self.source: BatchSource | None = source
+        self.pusher: WeightPusher | None = None
+        self.proxy: ProxyServer | None = None
         self.evaluator: Evaluator | None = None
-        self.metrics: MetricsLogger | None = None
-        self.step = 0
-        self.version = 0
-        self.saved_step = 0
-        self.redraws_used = 0
-        """Batches without signal replaced so far (``trainer.redraw_batches_without_signal``)."""
-        self.last_metrics: dict[str, Any] = {}
-        self._data_state: dict[str, Any] | None = None
-        self._closed = False
-        self.dist = SINGLE
-        self.last_push_bytes = 0
-        self.on_checkpoint = on_checkpoint
-        self._nccl_sync: Any = None  # NcclWeightSync, made on the first NCCL push
         self._fault = fault_from_env()  # AREAL_ENV_FAULT (hardening tests); None when unset
+        self._closed = False
+
+    # -- where the run stands -------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.position.step
+
+    @property
+    def version(self) -> int:
+        return self.position.version
+
+    @property
+    def redraws_used(self) -> int:
+        return self.position.redraws_used
+
+    @property
+    def total_steps(self) -> int | None:
+        """Steps to train; ``None`` only with an external source and no ``total_train_steps``
+        (train until the source is closed)."""
+        t = self.config.trainer
+        if t.total_train_steps is not None:
+            return t.total_train_steps
+        if self.data is None:
+            return None
+        return t.total_train_epochs * len(self.data)
+
+    # -- life cycle -----------------------------------------------------------------------
 
     def __enter__(self) -> PPOTrainer:
         return self
@@ -140,8 +162,7 @@ class PPOTrainer(TrainerSetup):
             except Exception as e:
                 logger.warning("destroying the engine failed: %s", e)
             self.engine = None
-        if self.metrics is not None:
-            self.metrics.close()
+        self.books.close()
         if self.dist.distributed:
             from areal_env.trainer.dist import destroy
 
@@ -178,121 +199,183 @@ class PPOTrainer(TrainerSetup):
             raise box["err"]
         return box["out"]
 
+    # -- the loop -------------------------------------------------------------------------
+
     async def atrain(
         self,
         workflow: Any = None,
         workflow_kwargs: dict[str, Any] | None = None,
         eval_workflow: Any = None,
     ) -> dict[str, Any]:
-        """The training loop (async form of ``train``): one named step after another."""
-        self._seed_everything(self.config.seed)
-        self._join_process_group()
+        """The training loop (async form of ``train``)."""
+        seed_everything(self.config.seed)
+        self.dist = join_process_group(self.config, external_source=self.external)
+        self.ranks.dist = self.dist
         if not self.dist.is_main:
             # Rollout runs once, on rank 0; this rank only trains on the rows it is sent.
             return await asyncio.to_thread(self._follow)
-        source = await self._setup(workflow, workflow_kwargs, eval_workflow)
-        total = self.total_steps
-        progress = Progress(total, initial=self.step, enabled=self.config.trainer.progress)  # type: ignore[arg-type]
+        source = await self._set_up(workflow, workflow_kwargs, eval_workflow)
+        pos, total = self.position, self.total_steps
+        progress = Progress(total, initial=pos.step, enabled=self.config.trainer.progress)  # type: ignore[arg-type]
         logger.info(
             "training %s steps (from step %d, version %d); run dir %s",
             total if total is not None else "unlimited",
-            self.step,
-            self.version,
+            pos.step,
+            pos.version,
             self.run_dir,
         )
         try:
             if self.evaluator is not None and self.config.trainer.eval_before_training:
-                if self.step == 0:
-                    await self._run_evaluation()
-            while total is None or self.step < total:
+                if pos.step == 0:
+                    await self._evaluate()
+            while total is None or pos.step < total:
                 t_step = time.perf_counter()
                 memory.release_free_memory()
                 memory.reset_peak()
+                # 1-2: a batch and the update on it (a batch without signal may be redrawn)
                 done = await self._fetch_and_update(source)
                 if done is None:  # the source was closed: keep what was trained
-                    if self.step > self.saved_step:
+                    if pos.step > pos.saved_step:
                         await asyncio.to_thread(self._save_checkpoint)
                     break
-                metrics, records, dumped_version = done
+                metrics, episodes, rolled_out_at = done
+                # 3: the new weights everywhere, or (no update) the step still moves on
                 if metrics.get("actor/updated"):
                     metrics.update(await self._push_new_weights(source))
                 elif isinstance(source, DatasetSource):
                     source.skip_step()  # the version stays; the staleness bound moves on
-                self._dump(records, dumped_version, self.step + 1)
-                self.step += 1
+                # 4: the books
+                self.books.dump(episodes, rolled_out_at, pos.step + 1)
+                pos.step += 1
                 if isinstance(source, DatasetSource):
-                    self._data_state = source.data_state
-                metrics.update(await self.evaluate(total))
-                self._log(metrics, t_step, progress)
-                await self._checkpoint(total)
+                    pos.data_state = source.data_state
+                if self._evaluation_due(total):
+                    metrics.update(await self._evaluate())
+                self.books.log(pos, metrics, t_step, progress)
+                await self.books.checkpoint(pos, total, self._actor, self.tokenizer, self.data)
         finally:
             progress.close()
-            self._command({"op": "stop"})
+            self.ranks.announce({"op": "stop"})
             await source.aclose()
             if self.evaluator is not None:
                 await self.evaluator.aclose()
-        return self._final_metrics()
+        return self.books.final_metrics()
+
+    async def _set_up(
+        self, workflow: Any, workflow_kwargs: dict[str, Any] | None, eval_workflow: Any
+    ) -> BatchSource:
+        """Models, recovery, the books, the proxy, the batch source and the evaluator."""
+        cfg = self.config
+        spec = workflow if workflow is not None else cfg.workflow
+        if self.external:
+            if workflow is not None or eval_workflow is not None:
+                raise ValueError("an external source brings its own batches: pass no workflow")
+        elif spec is None:
+            raise ValueError(
+                "no workflow: pass train(workflow=...) or set `workflow` in the config"
+            )
+        kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
+        restored = await asyncio.to_thread(self._set_up_models)
+        engine = self._engine
+        if restored is None and not self._own_engine:
+            # A passed-in engine may already have moved on; its tokens carry that version.
+            self.position.version = engine.get_version()
+        self.books.open(self.position.step)
+        if self.source is None:
+            assert self.data is not None
+            self.proxy = start_proxy(cfg, engine, self.tokenizer)
+            total = self.total_steps
+            self.source = await dataset_source(
+                cfg,
+                self.data,
+                engine,
+                self.proxy,
+                spec,
+                kwargs,
+                batches=None if total is None else total - self.position.step,
+            )
+            if self.valid_items:
+                eval_spec = eval_workflow if eval_workflow is not None else spec
+                self.evaluator = make_evaluator(
+                    cfg, engine, self.proxy, eval_spec, kwargs, self.valid_items
+                )
+        self.source.set_version(self.position.version)
+        return self.source
+
+    def _set_up_models(self) -> RunPosition | None:
+        """Models and recovery (every rank); rank 0 pushes restored weights to its engine.
+        Returns the restored position, or ``None`` for a fresh start."""
+        models = build_models(self.config, self.dist, self.engine)
+        self.actor, self.tokenizer = models.actor, models.tokenizer
+        self.engine, self._own_engine = models.engine, models.own_engine
+        self.pusher = WeightPusher(
+            self.config, models.actor, self.ranks, engine=models.engine, tokenizer=models.tokenizer
+        )
+        restored = self.books.recover(models.actor, self.data)
+        if restored is not None:
+            self.position = restored
+            if restored.version > 0 and self.dist.is_main:
+                self._pusher.push(restored.version)
+        return restored
 
     async def _fetch_and_update(
         self, source: BatchSource
-    ) -> tuple[dict[str, Any], list[dict[str, Any]], int] | None:
-        """Steps 1-2: a batch, then the update on it; a batch without signal is replaced by a
-        fresh one while ``trainer.redraw_batches_without_signal`` allows (its episodes are
-        dumped under this step all the same). ``(metrics, records, their version)``, or
-        ``None`` once the source is closed."""
+    ) -> tuple[dict[str, Any], list[Episode], int] | None:
+        """A batch, then the update on it; a batch without signal is replaced by a fresh one
+        while ``trainer.redraw_batches_without_signal`` allows (its episodes are dumped under
+        this step all the same). ``(metrics, episodes, the version they were rolled out at)``,
+        or ``None`` once the source is closed."""
+        pos = self.position
         redrawn, rollout_s = 0, 0.0
         while True:
-            fetched = await self._fetch_batch(source)
-            if fetched is None:
+            t0 = time.perf_counter()
+            try:
+                batch = await source.next_batch(
+                    trainer_version=pos.version, batch_size=self.config.rollout.batch_size
+                )
+            except SourceClosedError:
+                logger.info("the batch source was closed: training stops at step %d", pos.step)
                 return None
-            batch, metrics = fetched
-            if self._fault is not None and self._fault.should_kill_before_update(self.step + 1):
-                kill_now(f"step {self.step + 1}: batch fetched, update not started")
-            records, dumped_version = list(source.last_episodes), self.version
+            metrics: dict[str, Any] = dict(batch.stats)
+            rollout_s += time.perf_counter() - t0
+            metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
+            if self._fault is not None and self._fault.should_kill_before_update(pos.step + 1):
+                kill_now(f"step {pos.step + 1}: batch fetched, update not started")
             metrics.update(await self._update(batch))
-            rollout_s += metrics["time/rollout_s"]
             no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
             budget = self.config.trainer.redraw_batches_without_signal
-            if not (no_signal and self.redraws_used < budget and isinstance(source, DatasetSource)):
+            redraw = no_signal and pos.redraws_used < budget
+            if not (redraw and isinstance(source, DatasetSource)):
                 metrics["rollout/redrawn"] = float(redrawn)
                 metrics["time/rollout_s"] = rollout_s
-                return metrics, records, dumped_version
-            self.redraws_used += 1
+                return metrics, batch.episodes, batch.trainer_version
+            pos.redraws_used += 1
             redrawn += 1
             logger.info(
                 "step %d: no episode's advantage is non-zero (reward mean %.3f); drawing "
                 "another batch (%d of trainer.redraw_batches_without_signal=%d used)",
-                self.step + 1,
+                pos.step + 1,
                 float(metrics.get("reward/mean", 0.0)),
-                self.redraws_used,
+                pos.redraws_used,
                 budget,
             )
             source.skip_step()  # that batch is consumed without an update
-            self._dump(records, dumped_version, self.step + 1)
+            self.books.dump(batch.episodes, batch.trainer_version, pos.step + 1)
 
-    async def _fetch_batch(
-        self, source: BatchSource
-    ) -> tuple[TensorBatch | None, dict[str, Any]] | None:
-        """Step 1: the next batch and its rollout stats; ``None`` once the source is closed."""
-        t0 = time.perf_counter()
-        try:
-            batch, stats = await source.next_batch(
-                trainer_version=self.version, batch_size=self.config.rollout.batch_size
-            )
-        except SourceClosedError:
-            logger.info("the batch source was closed: training stops at step %d", self.step)
-            return None
-        metrics: dict[str, Any] = dict(stats)
-        metrics["time/rollout_s"] = time.perf_counter() - t0
-        metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
-        return batch, metrics
-
-    async def _update(self, batch: TensorBatch | None) -> dict[str, Any]:
-        """Step 2: one PPO update (skipped when every episode was rejected)."""
-        if batch is None or int(batch["loss_mask"].sum()) == 0:
+    async def _update(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One PPO update on every rank, on the batch collated into tensors here, once
+        (skipped when every episode was rejected)."""
+        tensors = None if batch.empty else collate_groups(batch.groups)
+        if tensors is None or int(tensors["loss_mask"].sum()) == 0:
             logger.warning("step %d: every episode was rejected; update skipped", self.step)
             return {"actor/update_skipped": 1.0, "empty_batch": 1.0, "actor/updated": 0.0}
-        ustats = await asyncio.to_thread(self._update_all_ranks, batch)
+        step = self.position.step
+
+        def update_all_ranks() -> dict[str, float]:
+            self.ranks.announce({"op": "update", "batch": tensors, "step": step})
+            return self._actor.update(tensors, step=step)
+
+        ustats = await asyncio.to_thread(update_all_ranks)
         return {
             **ustats,
             "empty_batch": 0.0,
@@ -300,24 +383,24 @@ class PPOTrainer(TrainerSetup):
         }
 
     async def _push_new_weights(self, source: BatchSource) -> dict[str, float]:
-        """Step 3: the new weights to the engine; the version moves on everywhere."""
+        """The new weights to the engine; the version moves on everywhere."""
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._push_weights, self.version + 1)
-        self.version += 1
-        source.set_version(self.version)
+        new_version = self.position.version + 1
+        await asyncio.to_thread(self._pusher.push, new_version)
+        self.position.version = new_version
+        source.set_version(new_version)
         return {"time/weight_push_s": time.perf_counter() - t0}
 
-    async def evaluate(self, total: int | None = None) -> dict[str, float]:
-        """Step 5: held-out evaluation (greedy, ``is_eval``) every ``trainer.eval_freq_steps``
-        and after the last step; ``eval/*`` metrics (see ``areal_env.trainer.eval``)."""
-        freq = self.config.trainer.eval_freq_steps
+    def _evaluation_due(self, total: int | None) -> bool:
+        """Every ``trainer.eval_freq_steps`` and after the last step."""
         if self.evaluator is None:
-            return {}
-        if not (self.step == total or (freq and self.step % freq == 0)):
-            return {}
-        return await self._run_evaluation()
+            return False
+        freq, step = self.config.trainer.eval_freq_steps, self.position.step
+        return step == total or bool(freq and step % freq == 0)
 
-    async def _run_evaluation(self) -> dict[str, float]:
+    async def _evaluate(self) -> dict[str, float]:
+        """Held-out evaluation (greedy, ``is_eval``): ``eval/*`` metrics (see
+        ``areal_env.trainer.eval``)."""
         assert self.evaluator is not None
         # The update's freed activations are still in the heap: give them back first, or the
         # evaluation's KV cache comes on top of them (the demo's last step, the one with an
@@ -326,27 +409,49 @@ class PPOTrainer(TrainerSetup):
         result = await self.evaluator.evaluate(version=self.version, step=self.step)
         return {f"eval/{k}": v for k, v in result.metrics.items()}
 
+    def _save_checkpoint(self) -> Path:
+        return self.books.save(self.position, self._actor, self.tokenizer, self.data)
+
     def _follow(self) -> dict[str, Any]:
-        """A rank other than 0: build the sharded actor, restore, then run the collectives rank
-        0 announces (update, weight gather, checkpoint) until it says stop."""
-        self._setup_models()
-        self._maybe_recover()
+        """A rank other than 0: build the sharded actor, restore, then run the collectives
+        rank 0 announces (update, weight gather, checkpoint) until it says stop."""
+        self._set_up_models()
         ops = 0
         while True:
-            cmd = self._receive()
+            cmd = self.ranks.receive()
             op = cmd["op"]
             if op == "stop":
                 break
             if op == "update":
-                self.step = int(cmd["step"])
-                self._actor.update(cmd["batch"], step=self.step)
+                self.position.step = int(cmd["step"])
+                self._actor.update(cmd["batch"], step=self.position.step)
             elif op == "push":
-                self._gather_for_push(cmd["what"])
+                self._pusher.gather(cmd["what"])
             elif op == "save":
-                self.step = int(cmd["step"])
+                self.position.step = int(cmd["step"])
                 self._save_checkpoint()
             else:  # pragma: no cover - both sides ship together
                 raise RuntimeError(f"rank {self.dist.rank}: unknown command {op!r}")
             ops += 1
         logger.info("rank %d: rank 0 finished; %d collective steps done", self.dist.rank, ops)
         return {"rank": self.dist.rank, "collective_ops": ops}
+
+    # -- parts that exist once set up -----------------------------------------------------
+
+    @property
+    def _engine(self) -> InferenceEngine:
+        if self.engine is None:
+            raise RuntimeError("the trainer has no engine (closed, or not set up)")
+        return self.engine
+
+    @property
+    def _actor(self) -> PPOActor:
+        if self.actor is None:
+            raise RuntimeError("the trainer has no actor (not set up)")
+        return self.actor
+
+    @property
+    def _pusher(self) -> WeightPusher:
+        if self.pusher is None:
+            raise RuntimeError("the trainer has no weight pusher (not set up)")
+        return self.pusher

@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from areal_env.api.episode import Episode
+
 logger = logging.getLogger(__name__)
 
 
@@ -202,50 +204,41 @@ def _safe_name(name: str) -> str:
     return out[:128] or "unknown"
 
 
-_EXTERNAL_DUMP_KEYS = (
-    "session_id",
-    "group_id",
-    "group_key",
-    "task_id",
-    "user",
-    "status",
-    "final_reward",
-    "metadata",
-    "interactions",
-    "stats",
-)
-
-
-def dump_lines(records: list[dict[str, Any]], version: int, step: int) -> list[dict[str, Any]]:
-    """Episode records → dump lines: one per completion (or per rejected episode) of a
-    workflow episode; one per finished session from an external source (records carrying a
-    ``group_key``), its completions nested and its token rows left out (training data, not
-    something to read)."""
+def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[str, Any]]:
+    """Episodes → dump lines: one per completion (or per rejected episode) of a workflow
+    episode; one per finished session from an external source (episodes with an ``origin``),
+    its completions nested. Token rows are left out (training data, not something to read)."""
     lines: list[dict[str, Any]] = []
-    for rec in records:
-        if "group_key" in rec:
-            line = {k: rec.get(k) for k in _EXTERNAL_DUMP_KEYS}
-            line["task_id"] = rec.get("task_id") or rec.get("group_key") or "external"
-            line["interactions"] = rec.get("interactions") or []
+    for ep in episodes:
+        if ep.origin:
+            line: dict[str, Any] = {
+                "session_id": ep.session_id,
+                "group_id": ep.origin.get("group_id"),
+                "group_key": ep.group_id,
+                "task_id": ep.task_id or ep.group_id or "external",
+                **{k: ep.origin.get(k) for k in ("user", "status", "final_reward", "metadata")},
+                "interactions": ep.interactions,
+                "stats": ep.export_stats,
+                "accepted": ep.accepted,
+                "reason": ep.reason,
+            }
             lines.append({**line, "version": version, "step": step})
             continue
-        task = rec.get("task_id")
         base = {
             # the data loader gives every item an id; a workflow may not keep it
-            "task_id": "unknown" if task is None else task,
-            "version": rec.get("trainer_version", version),
+            "task_id": "unknown" if ep.task_id is None else ep.task_id,
+            "version": version,
             "step": step,
-            "group_id": rec.get("group_id"),
-            "traj_index": rec.get("traj_index"),
-            "session_id": rec.get("session_id"),
-            "accepted": rec.get("accepted"),
-            "reason": rec.get("reason"),
-            "episode_reward": rec.get("reward"),
+            "group_id": ep.group_id,
+            "traj_index": ep.traj_index,
+            "session_id": ep.session_id,
+            "accepted": ep.accepted,
+            "reason": ep.reason,
+            "episode_reward": ep.reward,
         }
-        interactions = rec.get("interactions") or []
-        if not interactions:
-            lines.append({**base, "error": rec.get("error")})
-        for it in interactions:
+        if not ep.interactions:
+            lines.append({**base, "error": ep.error})
+        for it in ep.interactions:
             lines.append(
                 {
                     **base,

@@ -3,8 +3,9 @@
 Two ways to use it:
 
 * ``await executor.rollout_batch(items, trainer_version=v)`` — run these items now (each item is
-  one group of ``n_samples`` episodes when the workflow is grouped) and return the batch. This is
-  the synchronous mode used with ``rollout.max_head_offpolicyness = 0``.
+  one group of ``n_samples`` episodes when the workflow is grouped) and return the
+  :class:`~areal_env.api.source.RolloutBatch`. This is the synchronous mode used with
+  ``rollout.max_head_offpolicyness = 0``.
 * ``executor.submit(item)`` / ``executor.feed(iterable)`` + ``await executor.next_batch(
   trainer_version=v)`` — background prefetch: rollouts of the next batches start while the
   trainer trains, as far as the staleness bound allows.
@@ -25,21 +26,18 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from areal_env.api.config import RolloutConfig
 from areal_env.api.engine import InferenceEngine
-from areal_env.api.rows import TrainingRow
+from areal_env.api.episode import Episode
+from areal_env.api.source import RolloutBatch
 from areal_env.api.workflow import RolloutWorkflow
-from areal_env.workflow.batch import collate, number_groups, trajectory_rewards
+from areal_env.workflow.batch import rollout_stats
 from areal_env.workflow.grouped import run_member
-from areal_env.workflow.proxy_workflow import EpisodeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +46,17 @@ _NOTHING = object()
 
 @dataclass
 class GroupResult:
-    """One item's outcome: its rows (None = rejected) and the records of its episodes."""
+    """One item's outcome: the episodes it ran (its group: the accepted ones)."""
 
     item: Any
-    out: list[TrainingRow] | None
-    records: list[EpisodeRecord] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
     start_version: int | None = None
     trainer_version: int = 0
     wall_time: float = 0.0
+
+    @property
+    def accepted(self) -> list[Episode]:
+        return [e for e in self.episodes if e.accepted and e.rows]
 
 
 class StalenessDeadlock(RuntimeError):
@@ -86,7 +87,8 @@ class RolloutExecutor:
         self.uses_proxy = bool(self.proxy_base_url and self.admin_key and self.sessions_per_group)
         self.max_running_groups = max(1, rollout.max_concurrent_rollouts // max(1, self.group_size))
         self._version = self._engine_version() or 0
-        self.last_episodes: list[dict[str, Any]] = []
+        self.last_batch: RolloutBatch | None = None
+        """The batch handed out last."""
         # prefetch state
         self._pending: collections.deque[Any] = collections.deque()
         self._feed: Iterator[Any] | None = None
@@ -171,13 +173,11 @@ class RolloutExecutor:
     async def _run_group(self, item: Any, trainer_version: int) -> GroupResult:
         t0 = time.monotonic()
         start_version = self._engine_version()
-        out, records = await run_member(self.workflow, self.engine, item, None)
-        for r in records:
-            if r.start_version is None:
-                r.start_version = start_version
-        return GroupResult(
-            item, out, records, start_version, trainer_version, time.monotonic() - t0
-        )
+        episodes = await run_member(self.workflow, self.engine, item, None)
+        for e in episodes:
+            if e.start_version is None:
+                e.start_version = start_version
+        return GroupResult(item, episodes, start_version, trainer_version, time.monotonic() - t0)
 
     def _progress_bar(self, total: int, desc: str) -> Any:
         from tqdm.auto import tqdm
@@ -188,8 +188,8 @@ class RolloutExecutor:
 
     async def rollout_batch(
         self, items: list[dict[str, Any]], *, trainer_version: int
-    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        """Run every item once (bounded concurrency) and return (batch or None, stats)."""
+    ) -> RolloutBatch:
+        """Run every item once (bounded concurrency) and return their episodes."""
         if self._dispatcher is not None:
             raise RuntimeError("rollout_batch cannot be mixed with submit/next_batch prefetching")
         self.set_version(trainer_version)
@@ -210,10 +210,10 @@ class RolloutExecutor:
                     g = await self._run_group(item, trainer_version)
                 finally:
                     running -= 1
-            n_ok = sum(r.accepted for r in g.records)
+            n_ok = sum(e.accepted for e in g.episodes)
             accepted += n_ok
-            rejected += len(g.records) - n_ok
-            bar.update(len(g.records))
+            rejected += len(g.episodes) - n_ok
+            bar.update(len(g.episodes))
             bar.set_postfix(accepted=accepted, rejected=rejected, refresh=False)
             return g
 
@@ -305,9 +305,9 @@ class RolloutExecutor:
             raise
         except Exception as e:  # run_member never raises; this is a bug guard
             logger.exception("rollout group failed: %s", e)
-            g = GroupResult(item, None, [], None, trainer_version)
+            g = GroupResult(item, [], None, trainer_version)
         self._running -= 1
-        if g.out is not None:
+        if g.accepted:
             self._accepted_total += 1
             self._ready.append(g)
         else:
@@ -318,7 +318,7 @@ class RolloutExecutor:
 
     async def next_batch(
         self, *, trainer_version: int | None = None, batch_size: int | None = None
-    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+    ) -> RolloutBatch:
         """Wait for ``batch_size`` accepted groups (fewer when the input runs out) and return them."""
         if trainer_version is not None:
             self.set_version(trainer_version)
@@ -355,23 +355,18 @@ class RolloutExecutor:
 
     def _assemble(
         self, groups: list[GroupResult], trainer_version: int, wall_time: float
-    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        accepted: list[list[TrainingRow]] = []
-        episodes: list[dict[str, Any]] = []
-        for g in groups:
-            group_index = len(accepted) if g.out is not None else -1
-            for r in g.records:
-                d = r.to_dict()
-                d["group_index"] = group_index
-                d["trainer_version"] = trainer_version
-                episodes.append(d)
-            if g.out is not None:
-                accepted.append(g.out)
-        self.last_episodes = episodes
-        batch = collate(number_groups(accepted)) if accepted else None
-        records = [r for g in groups for r in g.records]
-        stats = compute_stats(batch, records, groups, trainer_version, wall_time)
-        return batch, stats
+    ) -> RolloutBatch:
+        accepted = [g.accepted for g in groups if g.accepted]
+        rejected = [e for g in groups for e in g.episodes if not (e.accepted and e.rows)]
+        stats = rollout_stats(
+            accepted,
+            rejected,
+            trainer_version=trainer_version,
+            wall_time=wall_time,
+            rejected_groups=sum(1 for g in groups if not g.accepted),
+        )
+        self.last_batch = RolloutBatch(accepted, rejected, stats, trainer_version)
+        return self.last_batch
 
     async def aclose(self) -> None:
         """Cancel background work and close the workflow's resources."""
@@ -389,71 +384,3 @@ class RolloutExecutor:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.workflow.aclose()
-
-
-def compute_stats(
-    batch: dict[str, torch.Tensor] | None,
-    records: list[EpisodeRecord],
-    groups: list[GroupResult],
-    trainer_version: int,
-    wall_time: float,
-) -> dict[str, float]:
-    """Per-batch rollout statistics (flat ``name -> float``, ready for logging)."""
-    stats: dict[str, float] = {
-        "episodes/accepted": float(sum(r.accepted for r in records)),
-        "episodes/rejected": float(sum(not r.accepted for r in records)),
-        "groups/accepted": float(sum(g.out is not None for g in groups)),
-        "groups/rejected": float(sum(g.out is None for g in groups)),
-        "groups/zero_variance": 0.0,
-        "tool_parse_failures": 0.0,
-        "tool_calls/raw_arguments": 0.0,
-        "tool_calls/markup_removed": 0.0,
-        "time/wall": float(wall_time),
-    }
-    for r in records:
-        if not r.accepted and r.reason:
-            stats[f"rejected/{r.reason}"] = stats.get(f"rejected/{r.reason}", 0.0) + 1
-        for key in ("tool_parse_failures", "tool_parse_errors"):
-            value = r.export_stats.get(key)
-            if isinstance(value, (int, float)):
-                stats["tool_parse_failures"] += float(value)
-                break
-        for key, name in (
-            ("tool_calls_raw_arguments", "tool_calls/raw_arguments"),
-            ("tool_markup_removed", "tool_calls/markup_removed"),
-        ):
-            value = r.export_stats.get(key)
-            if isinstance(value, (int, float)):
-                stats[name] += float(value)
-    if batch is None:
-        stats.update({"rows": 0.0, "tokens/output": 0.0, "tokens/total": 0.0})
-        return stats
-    traj_rewards = trajectory_rewards(batch)
-    values = torch.tensor(list(traj_rewards.values()), dtype=torch.float64)
-    stats["reward/mean"] = float(values.mean())
-    stats["reward/std"] = float(values.std(unbiased=False)) if values.numel() > 1 else 0.0
-    stats["reward/min"] = float(values.min())
-    stats["reward/max"] = float(values.max())
-    gids, tids = batch["group_ids"], batch["traj_ids"]
-    for gid in torch.unique(gids).tolist():
-        members = torch.unique(tids[gids == gid]).tolist()
-        rs = [traj_rewards[int(t)] for t in members]
-        if len(rs) > 1 and max(rs) - min(rs) < 1e-8:
-            stats["groups/zero_variance"] += 1
-    stale = []
-    for t in torch.unique(tids).tolist():
-        v = batch["versions"][tids == t]
-        v = v[v >= 0]
-        if v.numel():
-            stale.append(trainer_version - int(v.min()))
-    stats["staleness/mean"] = float(sum(stale) / len(stale)) if stale else 0.0
-    stats["staleness/max"] = float(max(stale)) if stale else 0.0
-    stats["rows"] = float(batch["input_ids"].shape[0])
-    stats["tokens/output"] = float(batch["loss_mask"].sum())
-    stats["tokens/total"] = float(batch["attention_mask"].sum())
-    if wall_time > 0:
-        stats["tokens/output_per_s"] = stats["tokens/output"] / wall_time
-    for k in list(stats):
-        if not math.isfinite(stats[k]):
-            stats[k] = 0.0
-    return stats

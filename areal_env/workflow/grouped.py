@@ -1,9 +1,9 @@
 """``GroupedRolloutWorkflow``: n samples of the same prompt, run concurrently, as one group.
 
 GRPO normalises rewards within a group, so the members must stay together. Members that are
-rejected are dropped; the group is rejected (``None``) only when every member is. Rows come back
-with ``traj_id`` = the member's index in the group (shared by all rows of one trajectory); the
-executor numbers groups and trajectories for the whole batch once (``batch.number_groups``).
+rejected are dropped; the group is rejected (``None``) only when every member is. Each member's
+episode goes to the surrounding episode sink with ``traj_index`` = the member's index; the
+executor numbers groups and trajectories for the whole batch once (``batch.collate_groups``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import uuid
 from typing import Any
 
 from areal_env.api.engine import InferenceEngine
+from areal_env.api.episode import Episode
 from areal_env.api.rows import TrainingRow
 from areal_env.api.workflow import RolloutWorkflow
 from areal_env.workflow.batch import episode_rows
 from areal_env.workflow.proxy_workflow import (
-    EpisodeRecord,
     current_group_id,
     episode_sink,
     log_rejection,
@@ -33,8 +33,11 @@ async def run_member(
     engine: InferenceEngine | None,
     data: dict[str, Any],
     traj_index: int | None,
-) -> tuple[list[TrainingRow] | None, list[EpisodeRecord]]:
-    """Run one episode in its own record sink; always yields at least one record, never raises."""
+) -> list[Episode]:
+    """Run one episode in its own sink and return its episodes (never empty, never raises).
+
+    Proxy workflows record their episodes themselves (rows included); for any other workflow
+    the rows it returned become one episode here."""
     with episode_sink() as sink:
         try:
             out = episode_rows(await workflow.arun_episode(engine, data))
@@ -45,10 +48,11 @@ async def run_member(
             out = None
             error = f"{type(e).__name__}: {e}"
             log_rejection("workflow_error", error, traceback.format_exc())
-        records = list(sink)
-    if not records:
-        records = [
-            EpisodeRecord(
+        episodes = list(sink)
+    if not episodes:
+        episodes = [
+            Episode(
+                rows=out or [],
                 task_id=task_id_of(data),
                 group_id=current_group_id.get(),
                 accepted=out is not None,
@@ -58,13 +62,10 @@ async def run_member(
                 error=error,
             )
         ]
-        if out is not None:
-            records[0].n_rows = len(out)
-            records[0].output_tokens = sum(r.num_trained for r in out)
     if traj_index is not None:
-        for r in records:
-            r.traj_index = traj_index
-    return out, records
+        for ep in episodes:
+            ep.traj_index = traj_index
+    return episodes
 
 
 class GroupedRolloutWorkflow(RolloutWorkflow):
@@ -92,12 +93,12 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
         finally:
             current_group_id.reset(token)
         rows: list[TrainingRow] = []
-        for i, (out, records) in enumerate(results):
-            for r in records:
-                record_episode(r)
-            for row in out or ():
-                row.traj_id = i  # the member: one trajectory per member in this group
-                rows.append(row)
+        for i, episodes in enumerate(results):
+            for ep in episodes:
+                record_episode(ep)
+                for row in ep.rows if ep.accepted else ():
+                    row.traj_id = i  # the member: one trajectory per member in this group
+                    rows.append(row)
         return rows or None
 
 

@@ -6,10 +6,11 @@ as training rows. Whatever goes wrong inside the agent (exceptions, hangs, bad r
 no model calls) rejects only that episode: it is logged once per distinct error, counted, and
 the method returns ``None`` — training never crashes because of an agent.
 
-Episode metadata (for statistics and trajectory dumps) is not mixed into the returned tensors.
-Each episode appends one :class:`EpisodeRecord` to the *episode sink* of the current context
+Each episode appends one :class:`~areal_env.api.episode.Episode` (its rows, the exported
+conversation tree, why it was rejected) to the *episode sink* of the current context
 (``episode_sink()``), which the executor and ``GroupedRolloutWorkflow`` open around every
-episode; outside a sink the records are only counted in ``workflow.stats``.
+episode; outside a sink episodes are only counted in ``workflow.stats``. ``arun_episode``
+returns the rows too (the ``RolloutWorkflow`` contract).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
 from areal_env.api.config import RolloutConfig
 from areal_env.api.engine import InferenceEngine
+from areal_env.api.episode import Episode
 from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.workflow import RolloutWorkflow
 
@@ -40,39 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
-# Episode records and the sink they go to
+# The episode sink
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class EpisodeRecord:
-    """What happened in one episode (accepted or rejected); JSON-serialisable via ``to_dict``."""
-
-    task_id: str | None = None
-    group_id: str | None = None
-    traj_index: int = 0
-    session_id: str | None = None
-    accepted: bool = False
-    reason: str | None = None
-    """Why it was rejected: agent_error | timeout | bad_reward | no_completions | proxy_error |
-    workflow_rejected."""
-    error: str | None = None
-    reward: Any = None
-    """The agent's return value once validated (a float or ``{completion_id: float}``)."""
-    interactions: list[dict[str, Any]] = field(default_factory=list)
-    export_stats: dict[str, Any] = field(default_factory=dict)
-    n_rows: int = 0
-    output_tokens: int = 0
-    min_version: int | None = None
-    max_version: int | None = None
-    start_version: int | None = None
-    wall_time: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_EPISODE_SINK: contextvars.ContextVar[list[EpisodeRecord] | None] = contextvars.ContextVar(
+_EPISODE_SINK: contextvars.ContextVar[list[Episode] | None] = contextvars.ContextVar(
     "areal_env_episode_sink", default=None
 )
 #: Set by GroupedRolloutWorkflow so member sessions carry the group id to the proxy.
@@ -82,9 +55,9 @@ current_group_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def episode_sink() -> Iterator[list[EpisodeRecord]]:
-    """Collect the EpisodeRecords of episodes run in this context (task-local)."""
-    sink: list[EpisodeRecord] = []
+def episode_sink() -> Iterator[list[Episode]]:
+    """Collect the episodes run in this context (task-local)."""
+    sink: list[Episode] = []
     token = _EPISODE_SINK.set(sink)
     try:
         yield sink
@@ -92,11 +65,11 @@ def episode_sink() -> Iterator[list[EpisodeRecord]]:
         _EPISODE_SINK.reset(token)
 
 
-def record_episode(rec: EpisodeRecord) -> None:
-    """Append ``rec`` to the current sink, if any."""
+def record_episode(episode: Episode) -> None:
+    """Append ``episode`` to the current sink, if any."""
     sink = _EPISODE_SINK.get()
     if sink is not None:
-        sink.append(rec)
+        sink.append(episode)
 
 
 _seen_errors: set[tuple[str, ...]] = set()
@@ -281,10 +254,10 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
 
     # -- one episode ---------------------------------------------------------------------------
 
-    def _reject(self, rec: EpisodeRecord, reason: str, message: str, tb: str | None = None) -> None:
-        rec.accepted = False
-        rec.reason = reason
-        rec.error = message
+    def _reject(self, ep: Episode, reason: str, message: str, tb: str | None = None) -> None:
+        ep.accepted = False
+        ep.reason = reason
+        ep.error = message
         self.stats["rejected"] += 1
         self.stats[f"rejected/{reason}"] += 1
         log_rejection(reason, message, tb)
@@ -321,42 +294,42 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
     async def arun_episode(
         self, engine: InferenceEngine | None, data: dict[str, Any]
     ) -> list[TrainingRow] | None:
-        rec = EpisodeRecord(task_id=task_id_of(data), group_id=current_group_id.get())
+        ep = Episode(task_id=task_id_of(data), group_id=current_group_id.get())
         if engine is not None and hasattr(engine, "get_version"):
             with contextlib.suppress(Exception):
-                rec.start_version = int(engine.get_version())
+                ep.start_version = int(engine.get_version())
         t0 = time.monotonic()
         try:
-            result = await self._episode(data, rec)
+            result = await self._episode(data, ep)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the proxy itself failed (start/export): reject, never crash
-            self._reject(rec, "proxy_error", f"{type(e).__name__}: {e}", traceback.format_exc())
+            self._reject(ep, "proxy_error", f"{type(e).__name__}: {e}", traceback.format_exc())
             result = None
-        rec.wall_time = time.monotonic() - t0
+        ep.wall_time = time.monotonic() - t0
         if result is not None:
-            rec.accepted = True
+            ep.accepted = True
             self.stats["accepted"] += 1
-        record_episode(rec)
+        record_episode(ep)
         return result
 
-    async def _episode(self, data: dict[str, Any], rec: EpisodeRecord) -> list[TrainingRow] | None:
+    async def _episode(self, data: dict[str, Any], ep: Episode) -> list[TrainingRow] | None:
         from areal_env.proxy.client import OpenAIProxyClient
 
         async with OpenAIProxyClient(
             self.proxy_base_url,
             self.admin_key,
             http_client=self._http_client(),
-            task_id=rec.task_id,
-            group_id=rec.group_id,
+            task_id=ep.task_id,
+            group_id=ep.group_id,
             sampling=dict(self.EVAL_SAMPLING) if self.eval_mode else None,
         ) as session:
-            rec.session_id = session.session_id
+            ep.session_id = session.session_id
             try:
                 ret = await self._call_agent(data, session)
             except TimeoutError:
                 self._reject(
-                    rec, "timeout", f"agent ran longer than {self.rollout.episode_timeout}s"
+                    ep, "timeout", f"agent ran longer than {self.rollout.episode_timeout}s"
                 )
                 return None
             except Exception as e:
@@ -365,14 +338,14 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                 # server died: "env_server_died"); the rest are the agent's own errors
                 reason = getattr(e, "rejection_reason", None)
                 reason = reason if isinstance(reason, str) and reason else "agent_error"
-                self._reject(rec, reason, f"{type(e).__name__}: {e}", tb)
+                self._reject(ep, reason, f"{type(e).__name__}: {e}", tb)
                 return None
             try:
                 reward = validate_reward(ret)
             except BadReward as e:
-                self._reject(rec, "bad_reward", str(e))
+                self._reject(ep, "bad_reward", str(e))
                 return None
-            rec.reward = reward
+            ep.reward = reward
             try:
                 if isinstance(reward, dict):
                     for cid, r in reward.items():
@@ -384,26 +357,21 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                     discount=self.rollout.discount, style=self.rollout.export_style
                 )
                 if not exported.get("trajectories"):
-                    self._reject(rec, "no_completions", "the agent made no model calls")
+                    self._reject(ep, "no_completions", "the agent made no model calls")
                 else:
-                    self._reject(rec, "bad_reward", f"could not set reward {reward!r}: {e}")
+                    self._reject(ep, "bad_reward", f"could not set reward {reward!r}: {e}")
                 return None
             await session.end()
             exported = await session.export(
                 discount=self.rollout.discount, style=self.rollout.export_style
             )
-        return self._to_rows(exported, rec)
+        return self._to_rows(exported, ep)
 
-    def _to_rows(self, exported: dict[str, Any], rec: EpisodeRecord) -> list[TrainingRow] | None:
-        rec.interactions = list(exported.get("interactions") or [])
-        rec.export_stats = dict(exported.get("stats") or {})
-        rows = rows_from_export(exported.get("trajectories") or {})
-        if not rows:
-            self._reject(rec, "no_completions", "the agent made no model calls")
+    def _to_rows(self, exported: dict[str, Any], ep: Episode) -> list[TrainingRow] | None:
+        ep.interactions = list(exported.get("interactions") or [])
+        ep.export_stats = dict(exported.get("stats") or {})
+        ep.rows = rows_from_export(exported.get("trajectories") or {})
+        if not ep.rows:
+            self._reject(ep, "no_completions", "the agent made no model calls")
             return None
-        versions = [v for r in rows for v in r.generated_versions()]
-        rec.n_rows = len(rows)
-        rec.output_tokens = sum(r.num_trained for r in rows)
-        if versions:
-            rec.min_version, rec.max_version = min(versions), max(versions)
-        return rows
+        return ep.rows

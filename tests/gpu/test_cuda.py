@@ -133,7 +133,7 @@ def test_engine_on_cuda_prefix_cache_keeps_greedy_outputs(gpu_model, gpu_tokeniz
     cached = _engine(gpu_model, "float32")
     try:
         with_cache = asyncio.run(run(cached))
-        hits = cached._stats["prefix_cache_hit_tokens"]
+        hits = cached.stats()["prefix_cache_hit_tokens"]
     finally:
         cached.destroy()
     plain = _engine(gpu_model, "float32", prefix_cache_mb=0)

@@ -16,7 +16,7 @@ import torch
 
 from areal_env.api.config import ProxyConfig
 from areal_env.api.io import GenerationConfig, ModelRequest
-from areal_env.engine._sampling import RowSampling, sample_rows
+from areal_env.engine.sampler import RowSampling, sample_rows
 from areal_env.proxy.server import ProxyServer
 from tests.fixtures.proxy import export_session, open_session
 
@@ -127,7 +127,7 @@ def test_required_call_names_an_offered_tool(engine):
 
 
 def test_json_end_tracks_brackets_strings_and_escapes():
-    from areal_env.engine._json_end import JsonEnd
+    from areal_env.engine.json_end import JsonEnd
 
     j = JsonEnd('[{"name": "')
     assert not j.feed('add", "arguments": {"a": "x]}", "b": "q\\"}"')

@@ -10,8 +10,8 @@ import weakref
 import torch
 
 from areal_env.api.io import GenerationConfig, ModelRequest
-from areal_env.engine import _kv
-from areal_env.engine._kv import BatchKV
+from areal_env.engine import kv_cache
+from areal_env.engine.kv_cache import BatchKV
 
 
 def test_batch_kv_is_freed_by_reference_counting():
@@ -46,8 +46,8 @@ def test_engine_holds_no_dead_batch_buffers(engine, tokenizer, monkeypatch):
         made.append(weakref.ref(kv.storage))  # each storage it allocated or kept
         return kv
 
-    monkeypatch.setattr(_kv.BatchKV, "__init__", tracking_init)
-    monkeypatch.setattr(_kv.BatchKV, "merge", classmethod(tracking_merge))
+    monkeypatch.setattr(kv_cache.BatchKV, "__init__", tracking_init)
+    monkeypatch.setattr(kv_cache.BatchKV, "merge", classmethod(tracking_merge))
     prompts = [tokenizer(f"Tell me about the number {i}.")["input_ids"] for i in range(6)]
 
     async def staggered():

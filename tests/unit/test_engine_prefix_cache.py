@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from areal_env.api.io import GenerationConfig, ModelRequest
-from areal_env.engine._prefix import PrefixCache
+from areal_env.engine.prefix_cache import PrefixCache
 
 
 def _kv(tokens: list[int]) -> torch.Tensor:
@@ -162,7 +162,7 @@ def test_a_row_decoded_across_a_weight_update_is_not_cached(engines, tokenizer):
     try:
         out = asyncio.run(across_update())
         assert len(set(out.output_versions)) == 2
-        assert on._prefix.match_length(list(prompt) + out.output_tokens[:-1]) == 0
+        assert on.worker.prefix_cache.match_length(list(prompt) + out.output_tokens[:-1]) == 0
     finally:
         on.update_weights(state)
         on.set_version(v0)

@@ -26,6 +26,7 @@ from areal_env.api.config import ProxyConfig, RolloutConfig
 from areal_env.engine.sglang import SGLangEngine
 from areal_env.http.net import bind_socket
 from areal_env.proxy.server import ProxyServer
+from tests.fixtures.batches import episode_dicts
 from tests.fixtures.proxy import proxy_executor
 from tests.unit.test_faults_inference_server import _kill, _start
 
@@ -77,14 +78,14 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
                 task = asyncio.create_task(ex.rollout_batch(items[:4], trainer_version=0))
                 # every session is bound to its server (its first turn done) and the victim is
                 # generating later turns: kill it now
-                while len(FIRST_TURNS_DONE) < 8 or eng.router._inflight.get(victim, 0) == 0:
+                while len(FIRST_TURNS_DONE) < 8 or eng.servers.router.inflight.get(victim, 0) == 0:
                     assert not task.done()
                     await asyncio.sleep(0.02)
                 await asyncio.to_thread(_kill, procs[1])
                 return await task
 
-            _, stats = asyncio.run(first_batch())
-            episodes = ex.last_episodes
+            stats = asyncio.run(first_batch()).stats
+            episodes = episode_dicts(ex.last_batch)
             assert len(episodes) == 8  # every episode accounted: accepted or rejected
             assert stats["episodes/accepted"] + stats["episodes/rejected"] == 8
             assert stats["episodes/accepted"] >= 1, stats  # the live server's episodes finished
@@ -92,7 +93,7 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
             assert rejected, stats  # the victim's sessions could not go on: rejected, counted
             for e in rejected:  # each names why: the engine was unavailable (proxy 503)
                 assert e["reason"] and "503" in str(e.get("error")), e
-            assert eng.router.up() == 1  # the victim is marked down for new sessions
+            assert eng.servers.router.up() == 1  # the victim is marked down for new sessions
 
             # the step's weight update: the dead server is dropped by address, the step completes
             eng.update_weights(str(weights))
@@ -101,9 +102,9 @@ def test_killed_server_is_dropped_and_training_goes_on(tokenizer, tmp_path):
             assert eng.stats()["servers_dropped"] == 1.0
 
             # the next rollout runs on the survivor only, at the new version, nothing rejected
-            _, stats2 = asyncio.run(ex.rollout_batch(items[4:], trainer_version=1))
+            stats2 = asyncio.run(ex.rollout_batch(items[4:], trainer_version=1)).stats
             assert stats2["episodes/accepted"] == 8 and stats2["episodes/rejected"] == 0, stats2
-            versions = {(e["min_version"], e["max_version"]) for e in ex.last_episodes}
+            versions = {(e["min_version"], e["max_version"]) for e in episode_dicts(ex.last_batch)}
             assert versions == {(1, 1)}, versions
             asyncio.run(ex.aclose())
     finally:

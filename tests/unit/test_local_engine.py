@@ -379,7 +379,7 @@ async def test_unavailable_destroyed_and_context_limit(model_path, tokenizer):
 def test_cache_keyword_follows_the_forward_signature():
     """transformers 5.24 renamed forward's KV argument to ``cache``; older releases take
     ``past_key_values``. The engine passes whichever the model's forward declares."""
-    from areal_env.engine._batch import cache_keyword
+    from areal_env.engine.batch_worker import cache_keyword
 
     class New:
         def forward(self, input_ids=None, cache=None, **kwargs): ...

@@ -314,12 +314,12 @@ def test_agents_sdk_gets_a_call_and_answers_with_its_own_error(proxy_server, eng
 
 
 def test_training_metrics_count_the_cases():
-    """compute_stats (the per-step metrics) sums the sessions' counts."""
-    from areal_env.workflow.executor import compute_stats
-    from areal_env.workflow.proxy_workflow import EpisodeRecord
+    """rollout_stats (the per-step metrics) sums the sessions' counts."""
+    from areal_env.api.episode import Episode
+    from areal_env.workflow.batch import rollout_stats
 
     recs = [
-        EpisodeRecord(
+        Episode(
             accepted=True,
             export_stats={
                 "tool_parse_failures": raw + removed,
@@ -329,7 +329,7 @@ def test_training_metrics_count_the_cases():
         )
         for raw, removed in [(2, 0), (1, 3)]
     ]
-    stats = compute_stats(None, recs, [], 0, 1.0)
+    stats = rollout_stats([], recs, trainer_version=0, wall_time=1.0)
     assert stats["tool_parse_failures"] == 6.0
     assert stats["tool_calls/raw_arguments"] == 3.0 and stats["tool_calls/markup_removed"] == 3.0
     json.dumps(stats)

@@ -15,6 +15,7 @@ from areal_env_client import SESSION_HEADER, AgentSession
 
 from areal_env.service.sessions import RESTARTED
 from areal_env.service.store import open_store
+from tests.fixtures.batches import as_tensors, episode_dicts
 from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 
 ALICE, BOB = SERVICE_USER_KEYS
@@ -68,9 +69,9 @@ async def test_seed_aiohttp_flow_inside_agent_session(engine, tokenizer):
             episode(False, True), episode(False, False), episode(True, True), episode(True, False)
         )
         assert [s.finalized["status"] for s in sessions] == ["ok"] * 4
-        _, stats = await stack.source.rollout_batch(trainer_version=0, timeout=30)
+        _, stats = as_tensors(await stack.source.rollout_batch(trainer_version=0, timeout=30))
         assert stats["groups/accepted"] == 1 and stats["episodes/accepted"] == 4
-        episodes = stack.source.last_episodes
+        episodes = episode_dicts(stack.source.last_batch)
         assert {e["session_id"] for e in episodes} == {s.session_id for s in sessions}
         assert all(e["interactions"][-1]["reward"] == 1.0 for e in episodes)
         assert stack.gateway.gateway.counters["sessions_failed"] == 0
@@ -101,7 +102,7 @@ async def test_session_url_in_env_reaches_the_session_from_any_client(engine, to
         assert os.environ.get("OPENAI_BASE_URL") == before  # restored after the block
         assert s.finalized["status"] == "ok"
         await stack.source.rollout_batch(trainer_version=0, timeout=30)
-        (episode,) = stack.source.last_episodes
+        (episode,) = episode_dicts(stack.source.last_batch)
         assert episode["interactions"][-1]["id"] == reply.id
         assert episode["interactions"][-1]["reward"] == 0.5
         # A session URL of another user's session is refused like any other way of naming it.
@@ -281,9 +282,11 @@ async def test_gateway_restart_keeps_keys_sessions_and_acknowledged_trajectories
         async with AgentSession(url, carol, group_id="g") as s:
             await sdk.chat.completions.create(model="m", messages=QUESTION, max_tokens=3)
             await s.finalize(0.0)
-        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        _, stats = as_tensors(
+            await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        )
         assert stats["episodes/accepted"] == 2
-        assert {e["session_id"] for e in stack.source.last_episodes} == {
+        assert {e["session_id"] for e in episode_dicts(stack.source.last_batch)} == {
             done.session_id,
             s.session_id,
         }

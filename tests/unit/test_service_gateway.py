@@ -10,6 +10,7 @@ import openai
 import pytest
 from areal_env_client import SESSION_HEADER, AgentServiceError, AgentSession
 
+from tests.fixtures.batches import as_tensors, episode_dicts
 from tests.fixtures.service import SERVICE_USER_KEYS, make_service_stack
 
 ALICE, BOB = SERVICE_USER_KEYS
@@ -174,9 +175,9 @@ async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
     results = await asyncio.gather(*(agent(i) for i in range(4)))
     source = service_stack.source
     source.batch_size = 2
-    batch, stats = await source.rollout_batch(trainer_version=0, timeout=30)
+    batch, stats = as_tensors(await source.rollout_batch(trainer_version=0, timeout=30))
     assert stats["episodes/accepted"] == 4 and stats["groups/accepted"] == 2
-    by_session = {e["session_id"]: e for e in source.last_episodes}
+    by_session = {e["session_id"]: e for e in episode_dicts(source.last_batch)}
     for i, (sid, ids) in enumerate(results):
         episode = by_session[sid]
         assert sorted(it["id"] for it in episode["interactions"]) == sorted(ids)
@@ -246,8 +247,8 @@ async def test_anthropic_and_responses_sdks_and_session_scoped_key(service_stack
             )
             assert r.json()["status"] == "ok" and r.json()["num_completions"] == 3
         s.finalized = r.json()
-    _, stats = await service_stack.source.rollout_batch(trainer_version=0, timeout=10)
-    episode = service_stack.source.last_episodes[0]
+    _, stats = as_tensors(await service_stack.source.rollout_batch(trainer_version=0, timeout=10))
+    episode = episode_dicts(service_stack.source.last_batch)[0]
     rewards = {it["id"]: it["reward"] for it in episode["interactions"]}
     assert rewards[chat.id] == 1.0  # 2.0 set on it, replaced by the final 1.0 (the last one)
 
@@ -279,9 +280,9 @@ async def test_runner_retries_transient_failures(engine, tokenizer):
         assert max(a for r in results for a in r.attempts) > 1  # some were refused and retried
         assert results[1].rewards == [None, None]
         stack.source.batch_size = 2
-        batch, stats = await stack.source.rollout_batch(trainer_version=0, timeout=30)
+        batch, stats = as_tensors(await stack.source.rollout_batch(trainer_version=0, timeout=30))
         assert stats["groups/accepted"] == 2 and stats["groups/incomplete"] == 0
-        groups = {e["group_id"] for e in stack.source.last_episodes}
+        groups = {e["group_id"] for e in episode_dicts(stack.source.last_batch)}
         assert len(groups) == 2
     finally:
         stack.gateway.stop()

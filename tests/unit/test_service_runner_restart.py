@@ -23,6 +23,7 @@ from areal_env.service.gateway import GatewayServer
 from areal_env.service.sessions import RESTARTED
 from areal_env.service.source import ExternalTrajectorySource
 from areal_env.service.store import open_store
+from tests.fixtures.batches import as_tensors, episode_dicts
 from tests.fixtures.service import SERVICE_USER_KEYS, ServiceStack, make_service_stack
 
 ALICE = SERVICE_USER_KEYS[0]
@@ -135,10 +136,12 @@ async def test_a_member_lost_in_a_restart_late_in_its_episode_is_rerun_in_its_gr
         assert result.ok, result.errors
         assert sorted(result.attempts) == [1, 2]
         assert lost[0] not in result.session_ids
-        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        _, stats = as_tensors(
+            await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        )
         assert stats["groups/accepted"] == 1 and stats["groups/incomplete"] == 0
         assert stats["episodes/accepted"] == 2
-        trained = {e["session_id"] for e in stack.source.last_episodes}
+        trained = {e["session_id"] for e in episode_dicts(stack.source.last_batch)}
         assert trained == set(result.session_ids)
         assert stack.source.num_pending_trajectories == 0
         async with httpx.AsyncClient(timeout=30) as h:
@@ -191,16 +194,18 @@ async def test_a_restart_failed_member_is_admitted_again_though_steps_skip_their
         )
         assert stack.source.load(0, trainer_version=0) == 1
         retry = await _episode(url, "a")  # the lost member, run again in its group
-        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        _, stats = as_tensors(
+            await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        )
         assert stats["groups/accepted"] == 1 and stats["groups/incomplete"] == 0
-        assert {e["session_id"] for e in stack.source.last_episodes} == {first, retry}
+        assert {e["session_id"] for e in episode_dicts(stack.source.last_batch)} == {first, retry}
         # Step 1's update is skipped (no new version); the trainer asks for step 2's batch.
         trainer = asyncio.create_task(
             stack.source.rollout_batch(trainer_version=0, step=2, timeout=60)
         )
         second = [await _episode(url, "b") for _ in range(2)]  # admitted, not 429
-        _, stats = await asyncio.wait_for(trainer, 60)
-        assert {e["session_id"] for e in stack.source.last_episodes} == set(second)
+        _, stats = as_tensors(await asyncio.wait_for(trainer, 60))
+        assert {e["session_id"] for e in episode_dicts(stack.source.last_batch)} == set(second)
         assert stack.source.get_version() == 0
     finally:
         if trainer is not None:
@@ -302,9 +307,13 @@ async def test_an_attempt_stored_though_its_answer_was_lost_is_counted_not_rerun
         assert relay.cuts == 1
         assert result.ok, result.errors
         assert result.attempts == [1, 1] and calls == 2  # nobody ran twice
-        _, stats = await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        _, stats = as_tensors(
+            await stack.source.rollout_batch(trainer_version=0, step=1, timeout=30)
+        )
         assert stats["episodes/accepted"] == 2 and stats["groups/incomplete"] == 0
-        assert {e["session_id"] for e in stack.source.last_episodes} == set(result.session_ids)
+        assert {e["session_id"] for e in episode_dicts(stack.source.last_batch)} == set(
+            result.session_ids
+        )
         assert stack.source.num_pending_trajectories == 0  # no third member opened a new group
         rows = (
             sqlite3.connect(db)

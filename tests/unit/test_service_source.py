@@ -9,6 +9,7 @@ import time
 import pytest
 
 from areal_env.service.source import ExternalTrajectorySource, SourceClosedError
+from tests.fixtures.batches import as_tensors, episode_dicts
 
 
 def export(reward: float, version: int = 0, prompt: int = 3, out: int = 2, rows: int = 1) -> dict:
@@ -29,7 +30,7 @@ async def test_groups_form_by_group_id_and_batch_has_executor_shape():
     src.put(export(0.0, rows=2), "a")
     assert src.num_ready_groups == 1
     src.put(export(1.0), "b")
-    batch, stats = await src.rollout_batch(trainer_version=0, timeout=5)
+    batch, stats = as_tensors(await src.rollout_batch(trainer_version=0, timeout=5))
     assert batch is not None
     assert batch["input_ids"].shape == (5, 5)
     assert batch["group_ids"].tolist() == [0, 0, 0, 1, 1]
@@ -37,7 +38,7 @@ async def test_groups_form_by_group_id_and_batch_has_executor_shape():
     assert batch["versions"][0].tolist() == [-1, -1, -1, 0, 0]
     assert stats["groups/accepted"] == 2 and stats["episodes/accepted"] == 4
     assert stats["reward/mean"] == pytest.approx(0.5)
-    assert len(src.last_episodes) == 4
+    assert len(episode_dicts(src.last_batch)) == 4
 
 
 async def test_waits_without_polling_and_wakes_on_put_from_another_thread():
@@ -53,7 +54,7 @@ async def test_waits_without_polling_and_wakes_on_put_from_another_thread():
 
     t0 = time.monotonic()
     threading.Thread(target=producer).start()
-    batch, stats = await asyncio.wait_for(task, 5)
+    batch, stats = as_tensors(await asyncio.wait_for(task, 5))
     assert time.monotonic() - t0 < 2
     assert batch["group_ids"].tolist() == [0, 0]
     assert stats["groups/zero_variance"] == 0
@@ -66,7 +67,7 @@ async def test_stale_trajectories_and_failures_are_dropped_and_counted():
     src.put_failed("g", "agent crashed")  # does not count towards the group
     src.put(export(1.0, version=1), "g")
     src.put(export(0.0, version=3), "g")
-    batch, stats = await src.rollout_batch(trainer_version=3, timeout=5)
+    batch, stats = as_tensors(await src.rollout_batch(trainer_version=3, timeout=5))
     assert batch["input_ids"].shape[0] == 1  # version 1 is 2 behind 3 > 1
     assert stats["rejected/stale"] == 1 and stats["rejected/failed"] == 1
     assert stats["staleness/max"] == 0
@@ -79,7 +80,7 @@ async def test_stale_trajectories_are_trained_and_counted_by_default():
     src.put_failed("g", "the service restarted while the session was open")
     src.put(export(1.0, version=1), "g")
     src.put(export(0.0, version=3), "g")
-    batch, stats = await src.rollout_batch(trainer_version=3, timeout=5)
+    batch, stats = as_tensors(await src.rollout_batch(trainer_version=3, timeout=5))
     assert batch["input_ids"].shape[0] == 2 and batch["group_ids"].tolist() == [0, 0]
     assert stats["rejected/stale"] == 0 and stats["groups/incomplete"] == 0
     assert stats["staleness/over_bound"] == 1 and stats["staleness/max"] == 2
@@ -89,11 +90,11 @@ async def test_stale_trajectories_are_trained_and_counted_by_default():
 
 async def test_timeout_returns_none_and_incomplete_groups_expire():
     src = ExternalTrajectorySource(n_samples=3, batch_size=1, group_timeout=0.3)
-    batch, _ = await src.rollout_batch(trainer_version=0, timeout=0.1)
+    batch, _ = as_tensors(await src.rollout_batch(trainer_version=0, timeout=0.1))
     assert batch is None
     src.put(export(1.0), "x")
     src.put(export(0.5), "x")
-    batch, stats = await src.rollout_batch(trainer_version=0, timeout=5)
+    batch, stats = as_tensors(await src.rollout_batch(trainer_version=0, timeout=5))
     assert batch["input_ids"].shape[0] == 2 and stats["groups/incomplete"] == 1
 
 
@@ -119,7 +120,7 @@ async def test_executor_prefetch_interface():
     src = ExternalTrajectorySource(n_samples=1, batch_size=4)
     for r in (0.0, 1.0, 0.5):
         src.put(export(r))
-    batch, stats = await src.next_batch(trainer_version=0, batch_size=3, timeout=5)
+    batch, stats = as_tensors(await src.next_batch(trainer_version=0, batch_size=3, timeout=5))
     assert batch["group_ids"].tolist() == [0, 1, 2] and stats["groups/accepted"] == 3
     await src.aclose()
 

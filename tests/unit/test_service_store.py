@@ -10,6 +10,7 @@ import pytest
 from areal_env.service.auth import KeyStore, QuotaExceededError
 from areal_env.service.source import ExternalTrajectorySource
 from areal_env.service.store import KeyRecord, SessionRecord, SQLStore, open_store, redact_url
+from tests.fixtures.batches import as_tensors, episode_dicts
 from tests.unit.test_service_source import export
 
 
@@ -87,9 +88,9 @@ async def test_source_reloads_acknowledged_trajectories_and_consumes_each_once(s
     await src.aput(_record("a2", 0.0), "a")
     await src.aput(_record("b1", 1.0), "b")
     await src.aput(_record("x1", 0.5), None)  # grouped in arrival order
-    batch, stats = await src.rollout_batch(trainer_version=0, step=1, timeout=5)
+    batch, stats = as_tensors(await src.rollout_batch(trainer_version=0, step=1, timeout=5))
     assert stats["episodes/accepted"] == 2
-    assert {e["session_id"] for e in src.last_episodes} == {"a1", "a2"}
+    assert {e["session_id"] for e in episode_dicts(src.last_batch)} == {"a1", "a2"}
     store.close()  # SIGKILL before the step-1 checkpoint: nothing is committed
 
     store = open_store(store_url)
@@ -100,8 +101,8 @@ async def test_source_reloads_acknowledged_trajectories_and_consumes_each_once(s
     await src.aput(_record("x2", 0.0), None)
     seen = []
     for step in (1, 2, 3):
-        _, stats = await src.rollout_batch(trainer_version=0, step=step, timeout=5)
-        seen.append(sorted(e["session_id"] for e in src.last_episodes))
+        _, stats = as_tensors(await src.rollout_batch(trainer_version=0, step=step, timeout=5))
+        seen.append(sorted(e["session_id"] for e in episode_dicts(src.last_batch)))
     assert seen == [["a1", "a2"], ["b1", "b2"], ["x1", "x2"]]
     src.commit(2)  # checkpoint at step 2; the process dies during step 3
     store.close()
@@ -109,8 +110,8 @@ async def test_source_reloads_acknowledged_trajectories_and_consumes_each_once(s
     store = open_store(store_url)
     src = ExternalTrajectorySource(n_samples=2, batch_size=1, store=store)
     assert src.load(2) == 2  # only step 3's group comes back
-    _, _ = await src.rollout_batch(trainer_version=0, step=3, timeout=5)
-    assert sorted(e["session_id"] for e in src.last_episodes) == ["x1", "x2"]
+    _, _ = as_tensors(await src.rollout_batch(trainer_version=0, step=3, timeout=5))
+    assert sorted(e["session_id"] for e in episode_dicts(src.last_batch)) == ["x1", "x2"]
     src.commit(3)
     ledger = store.consumed_ledger()
     assert sorted(s for s, _, _ in ledger) == ["a1", "a2", "b1", "b2", "x1", "x2"]
@@ -137,14 +138,20 @@ async def test_stale_reloaded_trajectories_are_dropped_or_trained_with_a_count(t
     store = open_store(str(tmp_path / "s.db"))
     src = ExternalTrajectorySource(batch_size=2, store=store, **kw)
     src.load(5, trainer_version=5)
-    batch, stats = await src.rollout_batch(trainer_version=5, step=6, batch_size=2, timeout=1)
+    batch, stats = as_tensors(
+        await src.rollout_batch(trainer_version=5, step=6, batch_size=2, timeout=1)
+    )
     if policy == "drop":
         assert stats["rejected/stale"] == 1 and stats["episodes/accepted"] == 1
-        assert [e["session_id"] for e in src.last_episodes] == ["new"]
+        episodes = episode_dicts(src.last_batch)
+        assert [e["session_id"] for e in episodes if e["accepted"]] == ["new"]
+        assert [(e["session_id"], e["reason"]) for e in episodes if not e["accepted"]] == [
+            ("old", "stale")
+        ]
         assert ("old", 6, "stale") in store.consumed_ledger()
     else:
         assert stats["rejected/stale"] == 0 and stats["staleness/over_bound"] == 1
-        assert sorted(e["session_id"] for e in src.last_episodes) == ["new", "old"]
+        assert sorted(e["session_id"] for e in episode_dicts(src.last_batch)) == ["new", "old"]
         src.commit(6)  # the step-6 checkpoint makes it final
         assert ("old", 6, "trained") in store.consumed_ledger()
 
@@ -157,7 +164,7 @@ async def test_a_member_that_gives_up_completes_its_group():
     src.put_failed("g", "agent raised", retry=False)
     src.put(export(0.0), "g")
     assert src.num_ready_groups == 1
-    _, stats = await asyncio.wait_for(src.rollout_batch(trainer_version=0), 5)
+    _, stats = as_tensors(await asyncio.wait_for(src.rollout_batch(trainer_version=0), 5))
     assert stats["episodes/accepted"] == 2 and stats["groups/incomplete"] == 1
     src.abandon("h")
     src.abandon("h")

@@ -278,7 +278,7 @@ async def test_dead_server_reported_by_address(sglang_servers, model_path, token
         ids = prompt(tokenizer, "Write a poem.")
         sticky = {"session_id": "doomed"}
         # Pin the session to the victim.
-        eng._rebind(ModelRequest(ids, metadata=sticky), victim)
+        eng.servers.router.rebind(ModelRequest(ids, metadata=sticky), victim)
         produced = tokens_generated([victim])
         task = asyncio.create_task(
             eng.agenerate(ModelRequest(ids, greedy(64, ignore_eos=True), metadata=sticky))

@@ -30,7 +30,7 @@ def test_sglang_backend_with_addresses():
         cfg(backend="sglang", max_retries=5, sglang={"addresses": ["http://10.0.0.1:30000/"]})
     )
     assert isinstance(eng, SGLangEngine)
-    assert eng.addresses == ["10.0.0.1:30000"] and eng.attempts == 6  # 1 try + 5 retries
+    assert eng.addresses == ["10.0.0.1:30000"] and eng.servers.attempts == 6  # 1 try + 5 retries
     assert eng.supports_state_dict_update is False
 
 
@@ -86,7 +86,7 @@ async def test_sglang_backend_launches_and_tears_down(tmp_path, tokenizer):
     assert eng.addresses == []
     eng.initialize()
     try:
-        pids = [s.pid for s in eng._owned.servers]
+        pids = [s.pid for s in eng.owned.servers]
         assert len(eng.addresses) == 1 and list(tmp_path.glob("server-0-*.log"))
         resp = await eng.agenerate(
             ModelRequest(tokenizer.encode("Hi"), GenerationConfig(2, greedy=True))

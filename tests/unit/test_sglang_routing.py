@@ -20,10 +20,10 @@ def _req(rid: str, session: str | None = None) -> ModelRequest:
 
 def test_new_sessions_go_to_the_least_loaded_server_and_stay_there():
     eng = SGLangEngine(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
-    eng.router._inflight = {"127.0.0.1:1": 5, "127.0.0.1:2": 0, "127.0.0.1:3": 2}
+    eng.servers.router.inflight = {"127.0.0.1:1": 5, "127.0.0.1:2": 0, "127.0.0.1:3": 2}
     addr, sticky = eng.route(_req("r1", "s1"))
     assert (addr, sticky) == ("127.0.0.1:2", False)
-    eng.router._inflight["127.0.0.1:2"] = 9  # now busy: a new session goes elsewhere ...
+    eng.servers.router.inflight["127.0.0.1:2"] = 9  # now busy: a new session goes elsewhere ...
     assert eng.route(_req("r2", "s2"))[0] == "127.0.0.1:3"
     # ... but every later turn of s1 (a new rid each turn) goes back to its server
     assert eng.route(_req("r3", "s1")) == ("127.0.0.1:2", True)
@@ -31,7 +31,7 @@ def test_new_sessions_go_to_the_least_loaded_server_and_stay_there():
 
 def test_dead_server_is_avoided_by_new_sessions():
     eng = SGLangEngine(["127.0.0.1:1", "127.0.0.1:2"])
-    eng.router.mark_down("127.0.0.1:1")
+    eng.servers.router.mark_down("127.0.0.1:1")
     assert {eng.route(_req(f"r{i}", f"s{i}"))[0] for i in range(4)} == {"127.0.0.1:2"}
 
 

@@ -14,12 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_env.api.config import RolloutConfig
+from areal_env.api.episode import Episode
 from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.workflow import RolloutWorkflow
-from areal_env.workflow.batch import collate, episode_rows, number_groups
+from areal_env.workflow.batch import collate, collate_groups, episode_rows
 from areal_env.workflow.executor import RolloutExecutor, StalenessDeadlock
 from areal_env.workflow.grouped import GroupedRolloutWorkflow
 from areal_env.workflow.resolve import resolve_workflow
+from tests.fixtures.batches import as_tensors, episode_dicts
 
 
 class VersionedWeights:
@@ -51,8 +53,8 @@ def rows(n_prompt: int, n_out: int, reward: float, version: int, n_rows: int = 1
 def test_rows_are_numbered_once_and_collated_once():
     a = rows_from_export(rows(2, 3, 1.0, 4))
     b = rows_from_export(rows(1, 1, 0.0, 5, n_rows=2))
-    b[1].traj_id = 1  # a second trajectory in the same group
-    td = collate(number_groups([a, b]))
+    b[1].traj_id = 1  # a second trajectory in the same episode
+    td = collate_groups([[Episode(rows=a)], [Episode(rows=b)]])
     assert td["input_ids"].shape == (3, 5)
     assert td["versions"][0].tolist() == [-1, -1, 4, 4, 4]
     assert td["input_ids"][1].tolist() == [1, 2, 0, 0, 0]
@@ -146,7 +148,9 @@ async def test_rollout_batch_assembles_groups_and_stats():
     ex = RolloutExecutor(eng, wf, rollout, show_progress=False)
     # run groups one at a time so that start order = item order
     ex.max_running_groups = 1
-    batch, stats = await ex.rollout_batch([{"id": i} for i in range(3)], trainer_version=6)
+    batch, stats = as_tensors(
+        await ex.rollout_batch([{"id": i} for i in range(3)], trainer_version=6)
+    )
     assert stats["groups/accepted"] == 2 and stats["groups/rejected"] == 1
     assert stats["episodes/accepted"] == 4 and stats["episodes/rejected"] == 2
     assert stats["rejected/workflow_rejected"] == 2
@@ -161,12 +165,14 @@ async def test_rollout_batch_assembles_groups_and_stats():
         assert batch["group_ids"][batch["traj_ids"] == t].unique().numel() == 1
     assert stats["tokens/output"] == float(batch["loss_mask"].sum())
     assert stats["rows"] == batch["input_ids"].shape[0]
-    assert len(ex.last_episodes) == 6
-    assert {e["group_index"] for e in ex.last_episodes} == {0, 1, -1}
+    assert len(episode_dicts(ex.last_batch)) == 6
+    assert {e["group_index"] for e in episode_dicts(ex.last_batch)} == {0, 1, -1}
     # nothing accepted -> (None, stats), never an exception
     wf_bad = resolve_workflow(ScriptedWorkflow(eng, [None]), rollout=rollout)
-    batch, stats = await RolloutExecutor(eng, wf_bad, rollout, show_progress=False).rollout_batch(
-        [{}, {}], trainer_version=5
+    batch, stats = as_tensors(
+        await RolloutExecutor(eng, wf_bad, rollout, show_progress=False).rollout_batch(
+            [{}, {}], trainer_version=5
+        )
     )
     assert batch is None and stats["episodes/rejected"] == 4
 
@@ -179,7 +185,7 @@ async def test_concurrency_bound(max_conc, n, expected_peak):
     ex = RolloutExecutor(
         eng, resolve_workflow(inner, rollout=rollout), rollout, show_progress=False
     )
-    batch, stats = await ex.rollout_batch([{}] * 8, trainer_version=0)
+    batch, stats = as_tensors(await ex.rollout_batch([{}] * 8, trainer_version=0))
     assert stats["episodes/accepted"] == 8 * n
     # at most max(max_conc, one group) episodes at once, and the bound is actually reached
     assert inner.peak == expected_peak
@@ -197,7 +203,7 @@ async def test_rollout_batch_waits_for_fresh_weights():
         eng.set_version(2)
 
     pusher = asyncio.create_task(push_weights_later())
-    batch, stats = await ex.rollout_batch([{}, {}], trainer_version=2)
+    batch, stats = as_tensors(await ex.rollout_batch([{}, {}], trainer_version=2))
     await pusher
     assert [s[1] for s in inner.starts] == [2, 2]  # nothing started on the stale weights
     assert stats["staleness/max"] == 0
@@ -221,7 +227,7 @@ async def test_prefetch_staleness_bound(k):
     started_while_training = 0
     try:
         for step in range(6):
-            batch, stats = await ex.next_batch(trainer_version=step)
+            batch, stats = as_tensors(await ex.next_batch(trainer_version=step))
             assert batch is not None and stats["groups/accepted"] == bs
             staleness.append(stats["staleness/max"])
             before = inner.started
@@ -248,7 +254,7 @@ async def test_prefetch_replaces_rejected_groups_and_detects_deadlock():
     ex = RolloutExecutor(eng, inner, rollout, show_progress=False)
     for i in range(4):
         ex.submit({"id": i})
-    batch, stats = await ex.next_batch(trainer_version=0)
+    batch, stats = as_tensors(await ex.next_batch(trainer_version=0))
     assert stats["groups/accepted"] == 2 and stats["episodes/rejected"] == 2
     assert batch["input_ids"].shape[0] == 4  # episodes 1 and 3, two rows each
     ex.submit({"id": 5})
@@ -256,7 +262,7 @@ async def test_prefetch_replaces_rejected_groups_and_detects_deadlock():
         await ex.next_batch()  # the version never moved: the bound is full
     ex.set_version(1)
     eng.set_version(1)
-    batch, stats = await ex.next_batch()  # input runs out: a partial batch
+    batch, stats = as_tensors(await ex.next_batch())  # input runs out: a partial batch
     assert stats["groups/accepted"] == 0 and batch is None and stats["episodes/rejected"] == 1
     await ex.aclose()
 
@@ -267,13 +273,13 @@ async def test_feed_exhaustion_gives_a_partial_batch():
     inner = ScriptedWorkflow(eng, [1.0], delay=0)
     ex = RolloutExecutor(eng, inner, rollout, show_progress=False)
     ex.feed({"id": i} for i in range(3))
-    batch, stats = await asyncio.wait_for(ex.next_batch(trainer_version=0), 10)
+    batch, stats = as_tensors(await asyncio.wait_for(ex.next_batch(trainer_version=0), 10))
     assert stats["groups/accepted"] == 2
     ex.set_version(1)
     eng.set_version(1)
-    batch, stats = await asyncio.wait_for(ex.next_batch(), 10)
+    batch, stats = as_tensors(await asyncio.wait_for(ex.next_batch(), 10))
     assert stats["groups/accepted"] == 1  # the input ran out: a partial batch, no hang
-    batch, stats = await asyncio.wait_for(ex.next_batch(), 10)
+    batch, stats = as_tensors(await asyncio.wait_for(ex.next_batch(), 10))
     assert batch is None and stats["groups/accepted"] == 0
     await ex.aclose()
 
@@ -319,8 +325,8 @@ async def test_workflows_may_return_rows_or_interactions():
 @settings(max_examples=40, deadline=None)
 def test_concat_preserves_every_row(shapes):
     parts = [collate(rows_from_export(rows(p, o, float(p), 1, n_rows=n))) for n, p, o in shapes]
-    td = collate(
-        number_groups([rows_from_export(rows(p, o, float(p), 1, n_rows=n)) for n, p, o in shapes])
+    td = collate_groups(
+        [[Episode(rows=rows_from_export(rows(p, o, float(p), 1, n_rows=n)))] for n, p, o in shapes]
     )
     assert td["input_ids"].shape == (
         sum(n for n, _, _ in shapes),
@@ -357,7 +363,7 @@ async def test_skipped_updates_do_not_fill_the_staleness_bound():
         taken = 0
         try:
             for _ in range(5):
-                batch, stats = await ex.next_batch(trainer_version=0)
+                batch, stats = as_tensors(await ex.next_batch(trainer_version=0))
                 assert stats["groups/accepted"] == 2
                 taken += 1
                 if skip:

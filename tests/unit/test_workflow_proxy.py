@@ -16,6 +16,7 @@ from areal_env.workflow.batch import collate
 from areal_env.workflow.executor import RolloutExecutor
 from areal_env.workflow.proxy_workflow import OpenAIProxyWorkflow, episode_sink
 from areal_env.workflow.resolve import resolve_workflow
+from tests.fixtures.batches import as_tensors, episode_dicts
 
 
 def _client(base_url, api_key, http_client):
@@ -95,7 +96,7 @@ async def test_float_reward_goes_to_last_completion(proxy_server, engine):
     last = rec.interactions[-1]["id"]
     assert by_id[last] == 2.0 and [r for k, r in by_id.items() if k != last] in ([None], [0.0])
     assert rec.output_tokens == int(td["loss_mask"].sum()) > 0
-    assert rec.min_version == engine.get_version() and rec.n_rows == 2
+    assert rec.min_version == engine.get_version() and len(rec.rows) == 2
     assert td["versions"][td["loss_mask"].bool()].min() >= 0
     assert wf.stats["accepted"] == 1
     await wf.aclose()
@@ -221,9 +222,11 @@ async def test_executor_over_proxy_grouped_with_partial_rejection(proxy_server, 
     )
     assert ex.uses_proxy and ex.sessions_per_group == 4 and ex.max_running_groups == 1
     version = engine.get_version()
-    batch, stats = await ex.rollout_batch(
-        [{"q": "Name a color.", "task_id": "a"}, {"q": "Name a fruit.", "task_id": "b"}],
-        trainer_version=version,
+    batch, stats = as_tensors(
+        await ex.rollout_batch(
+            [{"q": "Name a color.", "task_id": "a"}, {"q": "Name a fruit.", "task_id": "b"}],
+            trainer_version=version,
+        )
     )
     await ex.aclose()
     assert stats["episodes/accepted"] == 4 and stats["episodes/rejected"] == 4
@@ -232,9 +235,9 @@ async def test_executor_over_proxy_grouped_with_partial_rejection(proxy_server, 
     assert batch["traj_ids"].unique().numel() == 4
     assert stats["staleness/max"] == 0 and stats["tokens/output"] > 0
     assert stats["tool_parse_failures"] == 0
-    assert {e["task_id"] for e in ex.last_episodes} == {"a", "b"}
-    assert all(e["session_id"] for e in ex.last_episodes)
-    accepted = [e for e in ex.last_episodes if e["accepted"]]
+    assert {e["task_id"] for e in episode_dicts(ex.last_batch)} == {"a", "b"}
+    assert all(e["session_id"] for e in episode_dicts(ex.last_batch))
+    accepted = [e for e in episode_dicts(ex.last_batch) if e["accepted"]]
     assert all(
         e["interactions"] and e["interactions"][0].get("completion_text") is not None
         for e in accepted
@@ -272,8 +275,10 @@ async def test_executor_grants_capacity_to_a_managed_proxy(engine):
             admin_key=server.admin_key,
             show_progress=False,
         )
-        batch, stats = await ex.rollout_batch(
-            [{"q": "One"}, {"q": "Two"}], trainer_version=engine.get_version()
+        batch, stats = as_tensors(
+            await ex.rollout_batch(
+                [{"q": "One"}, {"q": "Two"}], trainer_version=engine.get_version()
+            )
         )
         await ex.aclose()
         assert stats["episodes/accepted"] == 4 and stats["episodes/rejected"] == 0
@@ -308,10 +313,10 @@ async def test_prefetch_over_proxy_respects_staleness(proxy_server, engine):
         ex.feed({"q": f"Say {i}."} for i in range(10))
         seen = []
         for step in range(3):
-            batch, stats = await ex.next_batch(trainer_version=v0 + step)
+            batch, stats = as_tensors(await ex.next_batch(trainer_version=v0 + step))
             assert batch is not None and stats["staleness/max"] <= 1
             seen.append(stats["staleness/max"])
-            for e in ex.last_episodes:
+            for e in episode_dicts(ex.last_batch):
                 assert e["start_version"] >= v0 + step - 1
                 assert e["min_version"] >= v0 + step - 1
             engine.set_version(v0 + step + 1)

@@ -1,27 +1,34 @@
-"""``LocalEngine``'s worker: the continuous-batching decode loop and its KV bookkeeping.
+"""``LocalEngine``'s batch worker: the continuous-batching decode loop and its KV bookkeeping.
 
-Runs in the engine's worker thread only. Each step admits pending requests (prefilled in groups
-of similar length, reusing cached prefixes), decodes one token for every running row, and retires
-finished rows at the step boundary, shrinking the batch's KV with them.
+The worker owns everything the decode loop touches: the queue of pending requests, the running
+rows, the batch's KV, the prefix cache, the weight version stamped on each token and the
+counters. Its thread is the only one that runs the model; other threads hand it requests
+(``submit``), flags (``abort``, ``cancel``) or hold it between two steps (``pause``,
+``at_step_boundary``, used by weight updates). Each step admits pending requests (prefilled in
+groups of similar length, reusing cached prefixes), decodes one token for every running row, and
+retires finished rows at the step boundary, shrinking the batch's KV with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from areal_env.api.engine import EngineUnavailableError
 from areal_env.api.io import ModelResponse, StreamChunk
 from areal_env.api.tokens import common_prefix_len
-from areal_env.engine._kv import _GROW, BatchKV
-from areal_env.engine._prefix import PrefixCache
-from areal_env.engine._request import _allowed, _length_groups, _Request
-from areal_env.engine._sampling import sample_rows
+from areal_env.engine.kv_cache import SPARE_COLUMNS, BatchKV
+from areal_env.engine.prefix_cache import PrefixCache
+from areal_env.engine.request_state import RequestState, allowed_tokens, length_groups
+from areal_env.engine.sampler import sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -40,40 +47,196 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class _BatchLoop:
-    """Mixin of ``LocalEngine``: the worker thread's decode loop (touches torch state only here)."""
+class BatchWorker:
+    """The decode loop of ``LocalEngine`` and the state it owns (see the module docstring)."""
 
-    # State owned by LocalEngine (set in its __init__/initialize).
-    model: Any
-    tokenizer: Any
-    device: torch.device
-    max_batch_size: int
-    num_threads: int | None
-    _prefix: PrefixCache
-    _cv: threading.Condition
-    _pending: deque[_Request]
-    _running: list[_Request]
-    _live: dict[int, _Request]
-    _kv: BatchKV | None
-    _next_tokens: torch.Tensor | None
-    _positions: torch.Tensor | None
-    _stopping: bool
-    _paused: bool
-    _holders: int
-    _in_step: bool
-    _version: int
-    _log_at: float
-    _log_tokens: int
-    _stats: dict[str, int]
-    _cache_keyword: str  # set with the model (``cache_keyword``)
+    def __init__(self, *, max_batch_size: int, num_threads: int | None) -> None:
+        self.max_batch_size = max_batch_size
+        self.num_threads = num_threads
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.device = torch.device("cpu")
+        self.prefix_cache = PrefixCache(0)
+        """Replaced only at a step boundary (``at_step_boundary``): the loop is its only user."""
+        self.version = 0
+        """Weight version stamped on every token decoded from now on."""
+        self.counters = {
+            "requests": 0,
+            "finished": 0,
+            "aborted": 0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "batch_size_sum": 0,
+            "max_batch_size_seen": 0,
+            "weight_updates": 0,
+            "prefix_cache_hit_tokens": 0,
+        }
+        self._cache_keyword = "past_key_values"
+        self._cv = threading.Condition()
+        self._pending: deque[RequestState] = deque()
+        self._running: list[RequestState] = []
+        self._live: dict[int, RequestState] = {}  # id(request) -> request, until finished
+        self._kv: BatchKV | None = None
+        self._next_tokens: torch.Tensor | None = None  # [B] last sampled, not yet in the cache
+        self._positions: torch.Tensor | None = None  # [B] position of the next fed token
+        self._thread: threading.Thread | None = None
+        self._alive = False
+        self._stopping = False
+        self._paused = False
+        self._holders = 0  # callers waiting to act at a step boundary (weight updates)
+        self._in_step = False
+        self._log_at, self._log_tokens = 0.0, 0
 
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def start(self, model: Any, tokenizer: Any, device: torch.device, cache: PrefixCache) -> None:
+        """Serve ``model`` from a new worker thread (no-op while already serving)."""
+        with self._cv:
+            if self._alive:
+                return
+            self.model, self.tokenizer, self.device = model, tokenizer, device
+            self.prefix_cache = cache
+            self._cache_keyword = cache_keyword(model)
+            self._alive, self._stopping = True, False
+            self._thread = threading.Thread(
+                target=self._loop, name="LocalEngine-worker", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> int | None:
+        """Stop the thread; unfinished requests end with ``stop_reason="abort"``. Returns how
+        many there were (None when it was not serving)."""
+        with self._cv:
+            if not self._alive:
+                return None
+            self._alive = False
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cv:
+            leftovers = list(self._running) + list(self._pending)
+            self._running, self._pending = [], deque()
+            self._kv = None
+        for r in leftovers:
+            if not r.done:
+                self._finish(r, "abort")
+        self.model = None
+        return len(leftovers)
+
+    def require_alive(self) -> None:
+        if not self._alive:
+            raise EngineUnavailableError(
+                "LocalEngine is not running (call initialize(); destroyed engines cannot serve)"
+            )
+
+    # ------------------------------------------------------------------ from other threads
+    def submit(self, r: RequestState) -> None:
+        """Queue ``r``; it joins the running batch at the next step boundary."""
+        with self._cv:
+            if not self._alive:
+                raise EngineUnavailableError("LocalEngine was destroyed")
+            self._pending.append(r)
+            self._live[id(r)] = r
+            self.counters["requests"] += 1
+            self._cv.notify_all()
+
+    def cancel(self, r: RequestState) -> None:
+        """Drop ``r`` silently at the next step boundary (nobody awaits it any more)."""
+        r.cancelled = True
+        with self._cv:
+            self._cv.notify_all()
+
+    def abort(self, rid: str) -> bool:
+        """End request ``rid`` with ``stop_reason="abort"`` and the tokens produced so far.
+
+        Answered at once when no decode step is running (e.g. while paused), otherwise at the end
+        of the current step. Returns False if no such request is in flight.
+        """
+        with self._cv:
+            for r in list(self._live.values()):
+                if r.req.rid != rid or r.done:
+                    continue
+                if self._in_step:
+                    r.aborted = True
+                else:  # the worker is idle or paused: answer now; it drops the row later
+                    if r in self._pending:
+                        self._pending.remove(r)
+                    self._finish(r, "abort")
+                self._cv.notify_all()
+                return True
+        return False
+
+    def pause(self) -> None:
+        """Hold generation at the next step boundary (returns once no step is running)."""
+        with self._cv:
+            self._paused = True
+            while self._in_step:
+                self._cv.wait()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @contextlib.contextmanager
+    def at_step_boundary(self) -> Iterator[None]:
+        """Hold the decode loop between two steps while the block runs (waits for the running
+        step to finish; generation continues afterwards)."""
+        self.require_alive()
+        with self._cv:
+            self._holders += 1
+            while self._in_step:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holders -= 1
+                self._cv.notify_all()
+
+    def set_version(self, version: int) -> None:
+        with self._cv:
+            self.version = int(version)
+
+    def new_weights_loaded(self) -> None:
+        """Called at a step boundary after a weight update: cached KV belongs to the old weights,
+        and tokens decoded from now on carry the next version."""
+        self.prefix_cache.clear()
+        with self._cv:
+            self.version += 1
+            self.counters["weight_updates"] += 1
+
+    def stats(self) -> dict[str, float]:
+        """Counters: requests, tokens generated, decode steps, mean/max batch size, queue."""
+        with self._cv:
+            s: dict[str, float] = dict(self.counters)
+            s["running"] = len(self._live) - len(self._pending)  # incl. being prefilled
+            s["queued"] = len(self._pending)
+            s["version"] = self.version
+        s["prefix_cache_tokens"] = self.prefix_cache.tokens
+        s["prefix_cache_capacity_tokens"] = self.prefix_cache.max_tokens
+        steps = s["decode_steps"]
+        s["mean_batch_size"] = s["batch_size_sum"] / steps if steps else 0.0
+        return s
+
+    # ------------------------------------------------------------------ the worker thread
     def _forward(self, cache: Any, **kwargs: Any) -> Any:
         """One model forward that extends ``cache`` in place, under this transformers' keyword."""
         return self.model(**kwargs, **{self._cache_keyword: cache})
 
     def _log_progress(self) -> None:
         now = time.perf_counter()
-        s = self._stats
+        s = self.counters
         if not (self._running or self._pending):  # going idle: restart the window
             self._log_at, self._log_tokens = now, s["tokens_generated"]
             return
@@ -87,11 +250,11 @@ class _BatchLoop:
                 now - self._log_at,
                 len(self._running),
                 len(self._pending),
-                self._version,
+                self.version,
             )
         self._log_at, self._log_tokens = now, s["tokens_generated"]
 
-    def _worker(self) -> None:
+    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         if self.num_threads:
             # OpenMP thread counts are per calling thread: set it where the model work runs.
@@ -125,9 +288,9 @@ class _BatchLoop:
                     self._in_step = False
                     self._cv.notify_all()
 
-    def _take_pending(self) -> list[_Request]:
+    def _take_pending(self) -> list[RequestState]:
         """Requests to prefill now (caller holds the lock); drops cancelled ones."""
-        admit: list[_Request] = []
+        admit: list[RequestState] = []
         room = self.max_batch_size - len(self._running)
         longest = 0
         while self._pending and len(admit) < room:
@@ -146,8 +309,8 @@ class _BatchLoop:
             longest = max(longest, n_in)
         return admit
 
-    def _step(self, admit: list[_Request]) -> None:
-        version = self._version
+    def _step(self, admit: list[RequestState]) -> None:
+        version = self.version
         if admit:
             self._prefill(admit, version)
         if not self._running:
@@ -166,46 +329,50 @@ class _BatchLoop:
         self._positions += 1
         logits = out.logits[:, -1, :]
         tokens, logps = sample_rows(
-            logits, [r.sampling for r in self._running], _allowed(self._running)
+            logits, [r.sampling for r in self._running], allowed_tokens(self._running)
         )
-        self._stats["decode_steps"] += 1
-        self._stats["batch_size_sum"] += len(self._running)
-        self._stats["max_batch_size_seen"] = max(
-            self._stats["max_batch_size_seen"], len(self._running)
+        self.counters["decode_steps"] += 1
+        self.counters["batch_size_sum"] += len(self._running)
+        self.counters["max_batch_size_seen"] = max(
+            self.counters["max_batch_size_seen"], len(self._running)
         )
         self._record(self._running, tokens, logps, version)
         self._next_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         self._retire()
 
-    def _prefill(self, admit: list[_Request], version: int) -> None:
+    def _prefill(self, admit: list[RequestState], version: int) -> None:
         """Prefill new requests in groups of similar length (little padding), then merge them.
 
         With the prefix cache on, requests whose prompt starts with a cached prefix only prefill
         the rest; a long prefix shared by several new requests is prefilled once first.
         """
-        plain: list[_Request] = admit
-        cached: list[_Request] = []
-        if self._prefix.enabled:
+        plain: list[RequestState] = admit
+        cached: list[RequestState] = []
+        if self.prefix_cache.enabled:
             self._seed_shared_prefixes(admit)
             plain, cached = [], []
             for r in admit:
-                n = self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                n = self.prefix_cache.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
                 (cached if n >= _MIN_PREFIX else plain).append(r)
-        for group in _length_groups(plain):
+        for group in length_groups(plain):
             self._prefill_group(group, version)
         if cached:
             rest = {
                 id(r): len(r.req.input_ids)
-                - self._prefix.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                - self.prefix_cache.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
                 for r in cached
             }
-            for group in _length_groups(cached, size=lambda r: rest[id(r)]):
+            for group in length_groups(cached, size=lambda r: rest[id(r)]):
                 self._prefill_cached(group, version)
 
-    def _seed_shared_prefixes(self, admit: list[_Request]) -> None:
+    def _seed_shared_prefixes(self, admit: list[RequestState]) -> None:
         """Prefill, once, each long prefix that several of ``admit`` share and the cache lacks."""
         ids = sorted(
-            (r.req.input_ids for r in admit if self._prefix.match_length(r.req.input_ids) == 0),
+            (
+                r.req.input_ids
+                for r in admit
+                if self.prefix_cache.match_length(r.req.input_ids) == 0
+            ),
             key=tuple,
         )
         i = 0
@@ -229,13 +396,13 @@ class _BatchLoop:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                self._stats["prefill_tokens"] += shared
-                self._prefix.insert(prefix, BatchKV.stack_prefill(cache)[:, :, 0])
+                self.counters["prefill_tokens"] += shared
+                self.prefix_cache.insert(prefix, BatchKV.stack_prefill(cache)[:, :, 0])
                 i = j + 1
             else:
                 i += 1
 
-    def _prefill_group(self, admit: list[_Request], version: int) -> None:
+    def _prefill_group(self, admit: list[RequestState], version: int) -> None:
         lengths = [len(r.req.input_ids) for r in admit]
         T = max(lengths)
         ids = torch.zeros((len(admit), T), dtype=torch.long)
@@ -256,12 +423,12 @@ class _BatchLoop:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._stats["prefill_tokens"] += sum(lengths)
+        self.counters["prefill_tokens"] += sum(lengths)
         self._admit_prefilled(
             admit, out.logits[:, -1, :], BatchKV.stack_prefill(cache), mask, version
         )
 
-    def _prefill_cached(self, admit: list[_Request], version: int) -> None:
+    def _prefill_cached(self, admit: list[RequestState], version: int) -> None:
         """Prefill requests whose prompts start with a cached prefix: only the rest is computed.
 
         Row layout (columns): ``[pad, cached prefix | pad, rest of the prompt]`` — the prefixes
@@ -269,7 +436,7 @@ class _BatchLoop:
         every row's last prompt token. Pad columns are masked out; position ids count real tokens.
         """
         matches = [
-            self._prefix.match_parts(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit
+            self.prefix_cache.match_parts(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit
         ]
         if any(n == 0 for n, _ in matches):  # evicted since it was looked up: prefill it whole
             self._prefill_group(
@@ -284,8 +451,8 @@ class _BatchLoop:
         S = max(rests)
         L, two, H, _, D = matches[0][1][0].shape
         n_rows = len(admit)
-        buf = matches[0][1][0].new_zeros((L, two, n_rows, H, P + S + _GROW, D))
-        mask = torch.zeros((n_rows, P + S + _GROW), dtype=torch.bool, device=self.device)
+        buf = matches[0][1][0].new_zeros((L, two, n_rows, H, P + S + SPARE_COLUMNS, D))
+        mask = torch.zeros((n_rows, P + S + SPARE_COLUMNS), dtype=torch.bool, device=self.device)
         ids = torch.zeros((n_rows, S), dtype=torch.long)
         pos = torch.zeros((n_rows, S), dtype=torch.long)
         for i, (r, (n, parts)) in enumerate(zip(admit, matches, strict=True)):
@@ -298,7 +465,7 @@ class _BatchLoop:
             ids[i, S - rests[i] :] = torch.tensor(r.req.input_ids[n:], dtype=torch.long)
             pos[i, S - rests[i] :] = torch.arange(n, n + rests[i])
             pos[i, : S - rests[i]] = n
-            self._stats["prefix_cache_hit_tokens"] += n
+            self.counters["prefix_cache_hit_tokens"] += n
         kv_state = BatchKV(buf, mask, 0, P)
         out = self._forward(
             kv_state.cache,
@@ -309,14 +476,14 @@ class _BatchLoop:
             logits_to_keep=1,
         )
         kv_state.advance(S)
-        self._stats["prefill_tokens"] += sum(rests)
+        self.counters["prefill_tokens"] += sum(rests)
         self._admit_prefilled(
             admit, out.logits[:, -1, :], buf[..., : P + S, :], mask[:, : P + S], version
         )
 
     def _admit_prefilled(
         self,
-        admit: list[_Request],
+        admit: list[RequestState],
         logits: torch.Tensor,
         new_kv: torch.Tensor,
         mask: torch.Tensor,
@@ -325,18 +492,20 @@ class _BatchLoop:
         """Sample each prefilled row's first token, cache the prompts' KV and merge the rows that
         go on into the running batch (``new_kv`` ``[L,2,n,H,T,D]``, ``mask`` ``[n,T]``)."""
         lengths = [len(r.req.input_ids) for r in admit]
-        if self._prefix.enabled:
+        if self.prefix_cache.enabled:
             for i, r in enumerate(admit):
                 ids = r.req.input_ids
-                have = self._prefix.match_length(ids) if lengths[i] >= _MIN_PREFIX else len(ids)
+                have = (
+                    self.prefix_cache.match_length(ids) if lengths[i] >= _MIN_PREFIX else len(ids)
+                )
                 if have < len(ids):  # copy only the columns of the tokens not cached yet
                     cols = mask[i].nonzero().squeeze(1)[have:]
-                    self._prefix.insert(ids, new_kv[:, :, i].index_select(3, cols), start=have)
-        tokens, logps = sample_rows(logits, [r.sampling for r in admit], _allowed(admit))
+                    self.prefix_cache.insert(ids, new_kv[:, :, i].index_select(3, cols), start=have)
+        tokens, logps = sample_rows(logits, [r.sampling for r in admit], allowed_tokens(admit))
         now = time.perf_counter()
         for r in admit:
             r.first_token_at = now
-            r.kv_epoch = self._prefix.epoch
+            r.kv_epoch = self.prefix_cache.epoch
         self._record(admit, tokens, logps, version)
         keep = [i for i, r in enumerate(admit) if not self._check_done(r)]
         for i, r in enumerate(admit):
@@ -360,15 +529,15 @@ class _BatchLoop:
         logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
 
     def _record(
-        self, rows: list[_Request], tokens: list[int], logps: list[float], version: int
+        self, rows: list[RequestState], tokens: list[int], logps: list[float], version: int
     ) -> None:
         for r, t, lp in zip(rows, tokens, logps, strict=True):
             r.out_tokens.append(t)
             r.out_logprobs.append(lp)
             r.out_versions.append(version)
-        self._stats["tokens_generated"] += len(rows)
+        self.counters["tokens_generated"] += len(rows)
 
-    def _check_done(self, r: _Request) -> bool:
+    def _check_done(self, r: RequestState) -> bool:
         """Decide whether ``r`` stops after its latest token (reason stored on the request)."""
         reason = None
         if r.done:  # already answered (aborted while the worker was paused)
@@ -394,7 +563,7 @@ class _BatchLoop:
         r.reason = reason
         return True
 
-    def _hit_stop_string(self, r: _Request) -> bool:
+    def _hit_stop_string(self, r: RequestState) -> bool:
         tail = self.tokenizer.decode(r.out_tokens[-r.stop_window :], skip_special_tokens=False)
         return any(s in tail for s in r.stop_strs)
 
@@ -406,7 +575,7 @@ class _BatchLoop:
             (done if self._check_done(r) else keep).append(i)
         if not done:
             return
-        if self._prefix.enabled:
+        if self.prefix_cache.enabled:
             self._cache_outputs(done)
         for i in done:
             r = self._running[i]
@@ -434,10 +603,10 @@ class _BatchLoop:
         s, e = kv.start, kv.start + kv.length
         for i in rows:
             r = self._running[i]
-            if r.reason not in ("stop", "length") or r.kv_epoch != self._prefix.epoch:
+            if r.reason not in ("stop", "length") or r.kv_epoch != self.prefix_cache.epoch:
                 continue  # cancelled/aborted, or computed under weights the cache no longer holds
             ids = list(r.req.input_ids) + r.out_tokens[:-1]  # the last token was never fed
-            have = self._prefix.match_length(ids)
+            have = self.prefix_cache.match_length(ids)
             if have >= len(ids) or len(ids) < _MIN_PREFIX:
                 continue
             cols = kv.mask_buf[i, s:e].nonzero().squeeze(1)
@@ -445,9 +614,9 @@ class _BatchLoop:
                 logger.debug("row %d holds %d columns for %d tokens", i, cols.numel(), len(ids))
                 continue
             tail = kv.buf[:, :, i, :, s:e].index_select(3, cols[have:])
-            self._prefix.insert(ids, tail, start=have)
+            self.prefix_cache.insert(ids, tail, start=have)
 
-    def _send_chunk(self, r: _Request) -> None:
+    def _send_chunk(self, r: RequestState) -> None:
         n = len(r.out_tokens)
         if n > r.sent:
             r.deliver(
@@ -459,14 +628,14 @@ class _BatchLoop:
             )
             r.sent = n
 
-    def _finish(self, r: _Request, reason: str) -> None:
+    def _finish(self, r: RequestState, reason: str) -> None:
         if reason == "gone":
             return
         r.done = True
         with self._cv:
             self._live.pop(id(r), None)
         if reason == "cancel":  # nobody awaits it any more
-            self._stats["aborted"] += 1
+            self.counters["aborted"] += 1
             return
         now = time.perf_counter()
         resp = ModelResponse(
@@ -480,7 +649,7 @@ class _BatchLoop:
             rid=r.req.rid,
             explored=r.sampling.explored,
         )
-        self._stats["finished" if reason != "abort" else "aborted"] += 1
+        self.counters["finished" if reason != "abort" else "aborted"] += 1
         if r.stream:
             n = len(r.out_tokens)
             r.deliver(

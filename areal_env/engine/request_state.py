@@ -1,4 +1,5 @@
-"""A request's state inside ``LocalEngine`` and the pure helpers that group and constrain rows."""
+"""A request's state inside ``LocalEngine``'s batch worker, and the pure helpers that group and
+constrain rows (used by ``engine.local``, which makes the state, and ``engine.batch_worker``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_env.api.io import ModelRequest
-from areal_env.engine._json_end import JsonEnd
-from areal_env.engine._sampling import RowSampling
+from areal_env.engine.json_end import JsonEnd
+from areal_env.engine.sampler import RowSampling
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared/removed by object
-class _Request:
+class RequestState:
     """A request's state inside the engine (touched by the worker thread only, except flags)."""
 
     req: ModelRequest
@@ -37,25 +38,25 @@ class _Request:
     kv_epoch: int = -1  # the prefix cache's epoch when this row was prefilled
 
 
-def _allowed(rows: list[_Request]) -> list[list[int] | None] | None:
+def allowed_tokens(rows: list[RequestState]) -> list[list[int] | None] | None:
     """Each row's allowed next tokens under its constrained start (None when no row has one)."""
     if not any(r.sampling.choices for r in rows):
         return None
     return [r.sampling.allowed(r.out_tokens) for r in rows]
 
 
-def _length_groups(
-    reqs: list[_Request],
+def length_groups(
+    reqs: list[RequestState],
     max_waste: float = 0.2,
-    size: Callable[[_Request], int] = lambda r: len(r.req.input_ids),
-) -> list[list[_Request]]:
+    size: Callable[[RequestState], int] = lambda r: len(r.req.input_ids),
+) -> list[list[RequestState]]:
     """Split requests (longest first) so that each group's left padding stays under ``max_waste``.
 
     Padding is wasted compute in the prefill forward; one extra forward costs far less.
     ``size`` is the tokens a request prefills (its prompt, or the part beyond a cached prefix).
     """
     ordered = sorted(reqs, key=size, reverse=True)
-    groups: list[list[_Request]] = []
+    groups: list[list[RequestState]] = []
     real = 0
     for r in ordered:
         n = size(r)

@@ -27,13 +27,13 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-_GROW = 64  # extra columns reserved whenever the buffer is (re)allocated
+SPARE_COLUMNS = 64  # extra columns reserved whenever the buffer is (re)allocated
 
 
 def _headroom(length: int) -> int:
     """Free columns kept left of the live window on (re)allocation: agent turns come back a few
     dozen tokens longer than the rows still decoding, and they join in place when it fits."""
-    return max(_GROW, length // 4)
+    return max(SPARE_COLUMNS, length // 4)
 
 
 class _BufferLayer(DynamicLayer):
@@ -177,9 +177,9 @@ class BatchKV:
         if old is None:  # spare rows up to max_rows: untouched, they cost no memory
             head = _headroom(T)
             row_cap = max(n, max_rows or n)
-            buf = new_kv.new_empty((L, two, row_cap, H, head + T + _GROW, D))
+            buf = new_kv.new_empty((L, two, row_cap, H, head + T + SPARE_COLUMNS, D))
             buf[:, :, :n, :, head : head + T] = new_kv
-            mask = new_mask.new_zeros((row_cap, head + T + _GROW))
+            mask = new_mask.new_zeros((row_cap, head + T + SPARE_COLUMNS))
             mask[:n, head : head + T] = new_mask
             return cls(buf, mask, head, T, rows=n)
         rows, end = old.rows + n, old.start + old.length
@@ -190,7 +190,7 @@ class BatchKV:
             M = max(old.length, T)
             head = _headroom(M)
             kv = cls(old.storage, old.mask_storage, old.start, old.length, old.rows)
-            kv._reallocate(row_cap, head + M + _GROW, head + M - old.length)
+            kv._reallocate(row_cap, head + M + SPARE_COLUMNS, head + M - old.length)
             end = head + M
         if T > kv.length:  # the old rows gain padding columns on the left: zeroed, masked
             kv.storage[:, :, : kv.rows, :, end - T : kv.start] = 0

@@ -1,4 +1,5 @@
-"""``SGLangEngine``'s HTTP to its server set: per-loop clients, retried POSTs, broadcasts.
+"""``SGLangEngine``'s server set: the addresses, their router and the HTTP to them (per-loop
+clients, retried POSTs, broadcasts).
 
 A broadcast reaches every server in parallel; one that stays unreachable through the retries of
 a weight update is dropped from the rotation for good (it would serve stale weights).
@@ -28,7 +29,7 @@ from areal_env.http.client import response_error_message
 logger = logging.getLogger(__name__)
 
 
-class _RetryableHTTPError(Exception):
+class RetryableHTTPError(Exception):
     """A 5xx answer: worth retrying (the server may be restarting or overloaded)."""
 
     def __init__(self, status: int, body: str):
@@ -37,32 +38,54 @@ class _RetryableHTTPError(Exception):
 
 
 def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, (httpx.TransportError, _RetryableHTTPError))
+    return isinstance(exc, (httpx.TransportError, RetryableHTTPError))
 
 
-class _ServerSetHTTP:
-    """Mixin of ``SGLangEngine``: how it talks to its servers (no generation logic here)."""
+class ServerSet:
+    """The inference servers one ``SGLangEngine`` talks to, and how it talks to them (no
+    generation logic here). ``addresses`` is the router's list: dropping a server removes it
+    from both."""
 
-    # State owned by SGLangEngine (set in its __init__).
-    addresses: list[str]
-    request_timeout: float
-    connect_timeout: float
-    control_timeout: float
-    attempts: int
-    retry_backoff: float
-    retry_max_wait: float
-    router: ServerRouter
-    dropped: list[str]
-    _lock: threading.Lock
-    _clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient]
-    _sync_client: httpx.Client | None
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        request_timeout: float,
+        connect_timeout: float,
+        control_timeout: float,
+        max_retries: int,
+        retry_backoff: float,
+        retry_max_wait: float,
+        down_cooldown: float,
+    ) -> None:
+        self.router = ServerRouter(addresses, down_cooldown)
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.control_timeout = control_timeout
+        # ``max_retries`` counts retries after the first try, as everywhere in the package.
+        self.attempts = max_retries + 1
+        self.retry_backoff = retry_backoff
+        self.retry_max_wait = retry_max_wait
+        self.dropped: list[str] = []
+        """Servers taken out for good: they missed a weight update (see ``broadcast``)."""
+        self._lock = threading.Lock()
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._sync_client: httpx.Client | None = None
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.router.addresses
+
+    @addresses.setter
+    def addresses(self, addresses: list[str]) -> None:
+        self.router.addresses = addresses
 
     # ------------------------------------------------------------------ clients
 
     def _timeout(self, total: float) -> httpx.Timeout:
         return httpx.Timeout(total, connect=min(self.connect_timeout, total))
 
-    def _client(self) -> httpx.AsyncClient:
+    def client(self) -> httpx.AsyncClient:
         """One AsyncClient per event loop: the proxy's loop and the trainer's differ."""
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
@@ -80,7 +103,7 @@ class _ServerSetHTTP:
                     self._clients[loop] = client
         return client
 
-    def _client_sync(self) -> httpx.Client:
+    def client_sync(self) -> httpx.Client:
         with self._lock:
             if self._sync_client is None:
                 self._sync_client = httpx.Client(
@@ -99,9 +122,9 @@ class _ServerSetHTTP:
         )
 
     @staticmethod
-    def _check(resp: httpx.Response, addr: str, path: str) -> Any:
+    def check(resp: httpx.Response, addr: str, path: str) -> Any:
         if resp.status_code >= 500:
-            raise _RetryableHTTPError(resp.status_code, resp.text)
+            raise RetryableHTTPError(resp.status_code, resp.text)
         if resp.status_code == 413:
             raise PromptTooLongError(response_error_message(resp))
         if resp.status_code >= 400:
@@ -114,7 +137,7 @@ class _ServerSetHTTP:
         except ValueError:
             return resp.text
 
-    def _unavailable(self, addr: str, exc: BaseException) -> EngineUnavailableError:
+    def unavailable(self, addr: str, exc: BaseException) -> EngineUnavailableError:
         detail = exc
         if isinstance(exc, RetryError):
             detail = exc.last_attempt.exception() or exc
@@ -123,8 +146,8 @@ class _ServerSetHTTP:
             f"{type(detail).__name__}: {detail}"
         )
 
-    async def _apost(self, addr: str, path: str, body: dict, timeout: float | None = None) -> Any:
-        client = self._client()
+    async def apost(self, addr: str, path: str, body: dict, timeout: float | None = None) -> Any:
+        client = self.client()
         kwargs: dict[str, Any] = {"json": body}
         if timeout is not None:
             kwargs["timeout"] = self._timeout(timeout)
@@ -132,23 +155,23 @@ class _ServerSetHTTP:
             async for attempt in AsyncRetrying(**self._retry_kwargs()):
                 with attempt:
                     resp = await client.post(f"http://{addr}{path}", **kwargs)
-                    return self._check(resp, addr, path)
+                    return self.check(resp, addr, path)
         except RetryError as e:
-            raise self._unavailable(addr, e) from None
+            raise self.unavailable(addr, e) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _post(self, addr: str, path: str, body: dict | None = None) -> Any:
-        client = self._client_sync()
+    def post(self, addr: str, path: str, body: dict | None = None) -> Any:
+        client = self.client_sync()
         try:
             for attempt in Retrying(**self._retry_kwargs()):
                 with attempt:
                     resp = client.post(f"http://{addr}{path}", json=body or {})
-                    return self._check(resp, addr, path)
+                    return self.check(resp, addr, path)
         except RetryError as e:
-            raise self._unavailable(addr, e) from None
+            raise self.unavailable(addr, e) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _broadcast(
+    def broadcast(
         self, path: str, body: dict | None = None, *, drop_unreachable: bool = False
     ) -> list[Any]:
         """POST to every server (in parallel threads: a slow weight load must not serialise).
@@ -165,7 +188,7 @@ class _ServerSetHTTP:
 
         def one(i: int, addr: str) -> None:
             try:
-                results[i] = self._post(addr, path, body)
+                results[i] = self.post(addr, path, body)
             except BaseException as e:  # noqa: BLE001 - collected and re-raised below
                 errors[i] = e
 
@@ -184,7 +207,7 @@ class _ServerSetHTTP:
             and all(type(e) is EngineUnavailableError for _, e in failed)
         ):
             for addr, e in failed:
-                self._drop(addr, f"{path} failed: {e}")
+                self.drop(addr, f"{path} failed: {e}")
             return [r for r, e in zip(results, errors, strict=True) if e is None]
         if len(failed) == 1:
             raise failed[0][1]  # type: ignore[misc]
@@ -199,9 +222,9 @@ class _ServerSetHTTP:
             raise kind(message)
         return results
 
-    def _drop(self, addr: str, why: str) -> None:
+    def drop(self, addr: str, why: str) -> None:
         """Out of the rotation for good (see ``_broadcast``); loud, by address."""
-        self.router.drop(addr)  # also removes it from self.addresses (the same list)
+        self.router.drop(addr)  # also removes it from self.addresses (the router's list)
         self.dropped.append(addr)
         logger.error(
             "inference server %s dropped: it missed a weight update (%s); %d server(s) left: %s",
@@ -210,3 +233,21 @@ class _ServerSetHTTP:
             len(self.addresses),
             self.addresses,
         )
+
+    def close(self) -> None:
+        """Close the HTTP clients, each on its own event loop."""
+        with self._lock:
+            clients, self._clients = dict(self._clients), {}
+            sync_client, self._sync_client = self._sync_client, None
+        for loop, client in clients.items():
+            if loop.is_closed():
+                continue
+            try:
+                if loop.is_running():
+                    asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+                else:
+                    loop.run_until_complete(client.aclose())
+            except RuntimeError:
+                pass
+        if sync_client is not None:
+            sync_client.close()

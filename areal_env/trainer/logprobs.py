@@ -167,7 +167,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 dzc = dz.to(dtype)
                 if grad_h is not None:
                     grad_h[lo:hi] = (dzc @ w).to(hidden.dtype)
-                if want_w:
+                if want_w and dzc.dtype == acc:
+                    grad_w.addmm_(dzc.T, h)
+                elif want_w:  # bf16/fp16 product, summed over chunks in fp32
                     grad_w += dzc.T @ h
         gw = grad_w.to(weight.dtype) if want_w else None
         return grad_h, gw, None, None, None

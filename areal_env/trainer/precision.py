@@ -108,7 +108,9 @@ class Precision:
         is the expected fp16 overflow (not worth a warning)."""
         if self.scaler is None:
             return False
-        self.scaler.update()
+        # the new scale from the global verdict (the clipped norm is all-reduced), not from this
+        # rank's own inf check: every FSDP rank lowers it alike
+        self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
         logger.info("fp16 gradient overflow: loss scale lowered to %g", self.scaler.get_scale())
         return True
 

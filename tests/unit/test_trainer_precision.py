@@ -128,3 +128,19 @@ def test_the_engine_gets_weights_in_its_own_dtype(tiny_model_path, tokenizer, tm
             assert torch.equal(served[name], t), name
     finally:
         eng.destroy()
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_model_path, tokenizer):
+    """A loss scale far too large overflows fp16 gradients: the step is skipped (the weights
+    stay, no warning: it is how loss scaling finds its scale), the scale halves, and an update
+    at the default scale (2^16) steps."""
+    actor = _actor(tiny_model_path, "float16")
+    actor.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    batch = _agent_batch(tokenizer)
+    stats = actor.update(batch, step=1)
+    assert stats["actor/nonfinite_skipped"] == 1.0 and stats["actor/optimizer_steps"] == 0.0
+    assert all(torch.equal(p, b) for p, b in zip(actor.model.parameters(), before, strict=True))
+    assert actor.precision.scaler.get_scale() == 2.0**99
+    actor.precision.scaler = torch.amp.GradScaler("cpu")
+    assert _changed_fraction(actor, batch) >= 0.95

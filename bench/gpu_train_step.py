@@ -466,19 +466,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     common = (flops_per_token, peak, measured)
     for strategy in [s for s in args.strategies.split(",") if s]:
-        summary["results"][strategy] = run_strategy(
-            strategy, args, model_path, device, batch, *common
-        )
+        try:
+            summary["results"][strategy] = run_strategy(
+                strategy, args, model_path, device, batch, *common
+            )
+        except torch.cuda.OutOfMemoryError as e:  # say so and go on with the others
+            summary["results"][strategy] = {"error": f"out of GPU memory: {str(e)[:200]}"}
+            _say(f"[{strategy}] out of GPU memory")
+            _free(device)
     if not args.no_trl:
         try:
             summary["trl"] = run_trl(args, model_path, device, batch, prompt_lens, *common)
         except ImportError as e:  # the [bench] extra is not installed: say so, keep ours
             summary["trl"] = {"error": f"{type(e).__name__}: {e} (pip install areal-env[bench])"}
+        except torch.cuda.OutOfMemoryError as e:
+            summary["trl"] = {"error": f"out of GPU memory: {str(e)[:200]}"}
     ratios: dict[str, float] = {}
     trl_s = summary.get("trl", {}).get("step_s")
     for strategy, res in summary["results"].items():
-        tree = res["paths"].get("tree")
-        flat = res["paths"].get("flat")
+        tree = res.get("paths", {}).get("tree")
+        flat = res.get("paths", {}).get("flat")
         if tree and trl_s:
             ratios[f"{strategy}_tree_vs_trl"] = round(trl_s / tree["update_s"], 3)
         if flat and trl_s:

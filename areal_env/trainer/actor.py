@@ -178,13 +178,18 @@ class PPOActor:
         # frozen weights need no fp32 master copy: the reference model, and the base under LoRA
         # adapters in one process (FSDP2 shards one dtype per layer: there the base stays fp32)
         frozen = not trainable or (lora and self.cfg.strategy == "single")
+        offload = self.cfg.fsdp_cpu_offload and self.cfg.strategy == "fsdp"
+        # straight onto the GPU (a 7B model's fp32 copy never passes through host memory)
+        where = (
+            {"device_map": str(self.device)} if self.device.type == "cuda" and not offload else {}
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.precision.load_dtype(frozen=frozen)
+            model_path, dtype=self.precision.load_dtype(frozen=frozen), **where
         )
         model.config.use_cache = False
         if trainable and self.cfg.lora is not None:
             model = apply_lora(model, self.cfg.lora, fp32_adapters=not self.precision.lossy)
-        if not self.cfg.fsdp_cpu_offload or self.cfg.strategy != "fsdp":
+        if not offload:
             model = model.to(self.device)
         if trainable:
             if self.model_cfg.gradient_checkpointing:

@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "proxy": ("areal_env.proxy.server", "Run the interception proxy on an embedded engine"),
     "serve-training": ("areal_env.service.server", "Any-agent training service"),
+    "view": (
+        "areal_env.view.cli",
+        "Browse runs in a web browser: areal-env view RUN_DIR | OUTPUTS_DIR",
+    ),
 }
 
 

@@ -227,7 +227,8 @@ class RolloutConfig:
     export_style: Literal["individual", "concat"] = "individual"
     """individual = one row per completion; concat = one row per leaf path."""
     dump_to_file: bool = True
-    """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl."""
+    """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl and each update's
+    per-token record to run_dir/tokens/ (what ``areal-env view`` shows; docs/viewer.md)."""
 
     def validate(self) -> None:
         for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):
@@ -483,6 +484,10 @@ class ExperimentConfig:
     """JSONL path of the training data (when using the CLI)."""
     valid_dataset: str | None = None
     """JSONL path of evaluation data (optional)."""
+    extra_valid_datasets: dict[str, str] = field(default_factory=dict)
+    """More held-out sets, evaluated beside ``valid_dataset`` and reported apart
+    (``eval/<name>/...``): a name -> a JSONL path, e.g. ``{new_phrasing: valid_new.jsonl}`` to
+    see whether a gain holds on phrasings the training data never uses."""
 
     @property
     def run_dir(self) -> Path:
@@ -493,6 +498,16 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not value or "/" in value or value in (".", ".."):
                 raise ConfigError(f"{name}={value!r} must be a non-empty name without '/'")
+        for name in self.extra_valid_datasets:
+            if not name or "/" in name:
+                raise ConfigError(
+                    f"extra_valid_datasets: {name!r} is not a usable set name (a non-empty name "
+                    "without '/': it becomes a metric prefix, eval/<name>/success_rate)"
+                )
+        if self.extra_valid_datasets and not self.valid_dataset:
+            raise ConfigError(
+                "extra_valid_datasets are evaluated beside valid_dataset: set valid_dataset too"
+            )
 
 
 def load_config(

@@ -11,6 +11,31 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 StopReason = Literal["stop", "length", "tool_calls", "abort"]
+ConstraintKind = Literal["json_schema", "regex", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a completion must match, enforced token by token (constrained decoding).
+
+    ``kind``: ``json_schema`` (``value`` is the schema as JSON text), ``regex`` (a regular
+    expression the whole output matches) or ``grammar`` (a Lark grammar in llguidance's dialect,
+    which may inline JSON schemas with ``%json {...}``: the proxy writes a model family's
+    tool-call wrapper around strict tool arguments this way). Hashable: engines cache compiled
+    grammars by it. The embedded engine compiles it with llguidance; ``SGLangEngine`` passes it
+    as SGLang's ``json_schema`` / ``regex`` / ``ebnf`` sampling parameter.
+    """
+
+    kind: ConstraintKind
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "regex", "grammar"):
+            raise ValueError(
+                f"constraint kind must be json_schema, regex or grammar, got {self.kind!r}"
+            )
+        if not isinstance(self.value, str) or not self.value:
+            raise ValueError("a constraint needs its schema, regex or grammar as a string")
 
 
 @dataclass
@@ -58,6 +83,15 @@ class GenerationConfig:
     """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
     closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
     Strings and escapes are respected. Engines that cannot (SGLang) ignore it."""
+    constraint: Constraint | None = None
+    """The output must match this schema, regex or grammar (constrained decoding; see
+    ``Constraint``). Each token is drawn from the distribution restricted to what the grammar
+    allows next; as with ``prefix_choices``, a token among several allowed reports the model's own
+    (unrestricted, tempered) logprob, and a token that was the only one allowed reports 0 (no
+    choice of the policy: the proxy leaves it out of the loss mask)."""
+    top_logprobs: int = 0
+    """Also return, per output token, this many most likely tokens and their logprobs (under the
+    distribution the logprobs are reported for; 0 = off, at most 20)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +122,19 @@ class GenerationConfig:
             and all(isinstance(t, int) and t >= 0 for c in self.prefix_choices for t in c)
         ):
             raise ValueError("prefix_choices must be a list of non-empty lists of token ids")
+        if self.constraint is not None:
+            if isinstance(self.constraint, dict):
+                self.constraint = Constraint(**self.constraint)
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a Constraint, got {self.constraint!r}")
+            if self.prefix_choices is not None:
+                raise ValueError("prefix_choices and constraint cannot be combined")
+        if isinstance(self.top_logprobs, bool) or not (
+            isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20
+        ):
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}"
+            )
         if self.stop_token_ids is not None and not all(
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
@@ -141,6 +188,9 @@ class ModelResponse:
     latency: float = 0.0
     ttft: float = 0.0
     rid: str = ""
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``GenerationConfig.top_logprobs``: per output token, the most likely
+    ``(token id, logprob)`` pairs, most likely first (None when not asked for)."""
     explored: int = 0
     """Output tokens picked by ``choice_exploration``'s uniform draw instead of the model's (0
     when it never fired). The trainer needs to know: a failed episode whose tool was picked by
@@ -166,3 +216,5 @@ class StreamChunk:
     logprobs: list[float]
     versions: list[int]
     final: ModelResponse | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token of ``token_ids`` (with ``GenerationConfig.top_logprobs``)."""

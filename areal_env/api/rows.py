@@ -42,6 +42,10 @@ class TrainingRow:
     explored: bool = False
     """Some trained token was drawn by ``gconfig.choice_exploration``'s uniform pick rather than
     by the model (see ``actor.punish_failed_exploration``)."""
+    row_id: str | None = None
+    """The completion (the proxy's interaction id) the row ends at, when it came from an
+    export: it links what the trainer did with the row back to the conversation (the token
+    record, ``areal-env view``)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -72,7 +76,7 @@ class TrainingRow:
 
     def to_dict(self) -> dict[str, Any]:
         """The export format (what the proxy sends and light clients read)."""
-        return field_dict(self, exclude=("traj_id", "group_id"))
+        return field_dict(self, exclude=("traj_id", "group_id", "row_id"))
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +101,13 @@ def _temperature(value: Any) -> float | list[float]:
 def rows_from_export(
     rows: Mapping[str, Mapping[str, Any]] | Iterable[Mapping[str, Any]],
 ) -> list[TrainingRow]:
-    """Rows of one export (``{row_id: row}`` or a list), in order, all in trajectory 0."""
-    values = rows.values() if isinstance(rows, Mapping) else rows
-    return [TrainingRow.from_dict(r) for r in values]
+    """Rows of one export (``{row_id: row}`` or a list), in order, all in trajectory 0; from a
+    mapping each row keeps its key as ``row_id``."""
+    if isinstance(rows, Mapping):
+        out = []
+        for key, value in rows.items():
+            row = TrainingRow.from_dict(value)
+            row.row_id = str(key)
+            out.append(row)
+        return out
+    return [TrainingRow.from_dict(r) for r in rows]

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -25,10 +26,11 @@ import torch
 from areal_env.api.engine import EngineUnavailableError
 from areal_env.api.io import ModelResponse, StreamChunk
 from areal_env.api.tokens import common_prefix_len
+from areal_env.engine.grammar import MaskFiller
 from areal_env.engine.kv_cache import SPARE_COLUMNS, BatchKV
 from areal_env.engine.prefix_cache import PrefixCache
 from areal_env.engine.request_state import RequestState, allowed_tokens, length_groups
-from areal_env.engine.sampler import sample_rows
+from areal_env.engine.sampler import sample_rows_top
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class BatchWorker:
         self._holders = 0  # callers waiting to act at a step boundary (weight updates)
         self._in_step = False
         self._log_at, self._log_tokens = 0.0, 0
+        self._masks: MaskFiller | None = None  # made at the first constrained row
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -126,6 +129,9 @@ class BatchWorker:
         for r in leftovers:
             if not r.done:
                 self._finish(r, "abort")
+        if self._masks is not None:
+            self._masks.close()
+            self._masks = None
         self.model = None
         return len(leftovers)
 
@@ -318,6 +324,7 @@ class BatchWorker:
         kv = self._kv
         assert kv is not None and self._next_tokens is not None and self._positions is not None
         mask = kv.mask_for_step(1)
+        pending = self._start_masks(self._running)  # computed while the forward runs
         out = self._forward(
             kv.cache,
             input_ids=self._next_tokens[:, None],
@@ -328,15 +335,13 @@ class BatchWorker:
         kv.advance(1)
         self._positions += 1
         logits = out.logits[:, -1, :]
-        tokens, logps = sample_rows(
-            logits, [r.sampling for r in self._running], allowed_tokens(self._running)
-        )
+        tokens, logps, tops = self._sample(self._running, logits, pending)
         self.counters["decode_steps"] += 1
         self.counters["batch_size_sum"] += len(self._running)
         self.counters["max_batch_size_seen"] = max(
             self.counters["max_batch_size_seen"], len(self._running)
         )
-        self._record(self._running, tokens, logps, version)
+        self._record(self._running, tokens, logps, tops, version)
         self._next_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         self._retire()
 
@@ -501,12 +506,12 @@ class BatchWorker:
                 if have < len(ids):  # copy only the columns of the tokens not cached yet
                     cols = mask[i].nonzero().squeeze(1)[have:]
                     self.prefix_cache.insert(ids, new_kv[:, :, i].index_select(3, cols), start=have)
-        tokens, logps = sample_rows(logits, [r.sampling for r in admit], allowed_tokens(admit))
+        tokens, logps, tops = self._sample(admit, logits, self._start_masks(admit))
         now = time.perf_counter()
         for r in admit:
             r.first_token_at = now
             r.kv_epoch = self.prefix_cache.epoch
-        self._record(admit, tokens, logps, version)
+        self._record(admit, tokens, logps, tops, version)
         keep = [i for i, r in enumerate(admit) if not self._check_done(r)]
         for i, r in enumerate(admit):
             if i not in keep:
@@ -528,13 +533,57 @@ class BatchWorker:
         self._running.extend(admit[i] for i in keep)
         logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
 
+    def _start_masks(self, rows: list[RequestState]) -> tuple[list[int], Future[Any]] | None:
+        """Start computing the grammar masks of ``rows`` that have a grammar (None: none has)."""
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not idx:
+            return None
+        if self._masks is None:
+            self._masks = MaskFiller(int(self.model.config.vocab_size))
+        return idx, self._masks.start([rows[i].grammar for i in idx])  # type: ignore[misc]
+
+    def _sample(
+        self,
+        rows: list[RequestState],
+        logits: torch.Tensor,
+        pending: tuple[list[int], Future[Any]] | None,
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        masks = None
+        if pending is not None:
+            idx, future = pending
+            masks = dict(zip(idx, future.result(), strict=True))
+            for i in idx:
+                r = rows[i]
+                if r.grammar is not None and r.max_new - len(r.out_tokens) <= r.close_margin:
+                    masks[i] = r.grammar.close(masks[i])
+        tokens, logps, tops = sample_rows_top(
+            logits,
+            [r.sampling for r in rows],
+            allowed_tokens(rows, masks),
+            [r.top_logprobs for r in rows] if any(r.top_logprobs for r in rows) else None,
+        )
+        for r, t in zip(rows, tokens, strict=True):
+            if r.grammar is not None and not r.grammar.consume(t):
+                # only an exhausted or broken grammar gets here (the mask allowed ``t``)
+                logger.warning("request %s left its grammar: %s", r.req.rid, r.grammar.error)
+                r.grammar = None
+                r.grammar_failed = True
+        return tokens, logps, tops
+
     def _record(
-        self, rows: list[RequestState], tokens: list[int], logps: list[float], version: int
+        self,
+        rows: list[RequestState],
+        tokens: list[int],
+        logps: list[float],
+        tops: list[list[tuple[int, float]] | None],
+        version: int,
     ) -> None:
-        for r, t, lp in zip(rows, tokens, logps, strict=True):
+        for r, t, lp, top in zip(rows, tokens, logps, tops, strict=True):
             r.out_tokens.append(t)
             r.out_logprobs.append(lp)
             r.out_versions.append(version)
+            if top is not None:
+                r.out_top_logprobs.append(top)
         self.counters["tokens_generated"] += len(rows)
 
     def _check_done(self, r: RequestState) -> bool:
@@ -549,6 +598,8 @@ class BatchWorker:
         elif r.out_tokens[-1] in r.stop_ids:
             reason = "stop"
         elif r.stop_strs and self._hit_stop_string(r):
+            reason = "stop"
+        elif r.grammar_failed:
             reason = "stop"
         elif r.json_end is not None and r.json_end.feed(
             self.tokenizer.decode(r.out_tokens[-1:], skip_special_tokens=False)
@@ -624,6 +675,7 @@ class BatchWorker:
                     token_ids=r.out_tokens[r.sent : n],
                     logprobs=r.out_logprobs[r.sent : n],
                     versions=r.out_versions[r.sent : n],
+                    top_logprobs=r.out_top_logprobs[r.sent : n] if r.top_logprobs else None,
                 )
             )
             r.sent = n
@@ -648,6 +700,7 @@ class BatchWorker:
             ttft=(r.first_token_at - r.submitted) if r.first_token_at else now - r.submitted,
             rid=r.req.rid,
             explored=r.sampling.explored,
+            output_top_logprobs=list(r.out_top_logprobs) if r.top_logprobs else None,
         )
         self.counters["finished" if reason != "abort" else "aborted"] += 1
         if r.stream:
@@ -658,6 +711,7 @@ class BatchWorker:
                     logprobs=r.out_logprobs[r.sent : n],
                     versions=r.out_versions[r.sent : n],
                     final=resp,
+                    top_logprobs=r.out_top_logprobs[r.sent : n] if r.top_logprobs else None,
                 )
             )
             r.sent = n

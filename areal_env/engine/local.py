@@ -23,6 +23,7 @@ import torch
 from areal_env.api.engine import PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.engine.batch_worker import BatchWorker
+from areal_env.engine.grammar import GrammarCompiler, RowGrammar
 from areal_env.engine.json_end import JsonEnd
 from areal_env.engine.prefix_cache import PrefixCache
 from areal_env.engine.request_state import RequestState
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string (multi-byte / merged tokens)
+
+
+def _close_margin(max_new_tokens: int) -> int:
+    """The last tokens of a constrained row's budget in which it closes what is open (see
+    ``RowGrammar.close``): a third of the budget, at most 32 tokens."""
+    return min(32, max_new_tokens // 3)
 
 
 class LocalEngine:
@@ -74,6 +81,8 @@ class LocalEngine:
         self.vocab_size = 0
         self.worker = BatchWorker(max_batch_size=max_batch_size, num_threads=num_threads)
         self.weights = WeightUpdater(self.worker)
+        self.grammars: GrammarCompiler | None = None
+        """Compiles ``GenerationConfig.constraint`` (made with the tokenizer)."""
         self._rejected = 0  # requests refused by validation (they never reach the worker)
         self._rejected_lock = threading.Lock()
 
@@ -154,6 +163,7 @@ class LocalEngine:
             elif source:
                 eos.update(int(t) for t in source)
         self.eos_token_ids = sorted(eos)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         cache = PrefixCache(self._prefix_budget_tokens(cfg, dtype))
         self.worker.start(model, tokenizer, device, cache)
         logger.info(
@@ -243,7 +253,8 @@ class LocalEngine:
             elif isinstance(item, ModelResponse):
                 fut.set_result(item)
 
-        r = self._submit(req, self._threadsafe(loop, settle), stream=False)
+        grammar = await self._compile(req)
+        r = self._submit(req, self._threadsafe(loop, settle), stream=False, grammar=grammar)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -254,7 +265,10 @@ class LocalEngine:
         """Yield a ``StreamChunk`` per decode step; the last one carries ``final``."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        r = self._submit(req, self._threadsafe(loop, queue.put_nowait), stream=True)
+        grammar = await self._compile(req)
+        r = self._submit(
+            req, self._threadsafe(loop, queue.put_nowait), stream=True, grammar=grammar
+        )
         try:
             while True:
                 item = await queue.get()
@@ -304,8 +318,30 @@ class LocalEngine:
             )
         req.gconfig.validate()
 
+    async def _compile(self, req: ModelRequest) -> RowGrammar | None:
+        """The row's grammar matcher for ``req.gconfig.constraint`` (compiled off the event loop
+        unless cached); ``ConstraintError`` (a ``ValueError``) if it cannot be honoured."""
+        constraint = req.gconfig.constraint
+        if constraint is None:
+            return None
+        self.worker.require_alive()
+        grammars = self.grammars
+        assert grammars is not None  # made by initialize()
+        try:
+            if grammars.cached(constraint):
+                return grammars.matcher(constraint)
+            return await asyncio.to_thread(grammars.matcher, constraint)
+        except ValueError:
+            with self._rejected_lock:
+                self._rejected += 1
+            raise
+
     def _submit(
-        self, req: ModelRequest, deliver: Callable[[Any], None], stream: bool
+        self,
+        req: ModelRequest,
+        deliver: Callable[[Any], None],
+        stream: bool,
+        grammar: RowGrammar | None = None,
     ) -> RequestState:
         self.worker.require_alive()
         try:
@@ -339,6 +375,9 @@ class LocalEngine:
                 explore=float(g.choice_exploration),
             ),
             json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
+            grammar=grammar,
+            close_margin=_close_margin(g.max_new_tokens) if grammar is not None else 0,
+            top_logprobs=int(g.top_logprobs),
         )
         self.worker.submit(r)
         return r

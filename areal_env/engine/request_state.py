@@ -7,9 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from areal_env.api.io import ModelRequest
+from areal_env.engine.grammar import RowGrammar
 from areal_env.engine.json_end import JsonEnd
-from areal_env.engine.sampler import RowSampling
+from areal_env.engine.sampler import Allowed, RowSampling
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared/removed by object
@@ -36,13 +39,25 @@ class RequestState:
     reason: str = ""  # why it stopped (set by _check_done)
     json_end: JsonEnd | None = None  # GenerationConfig.stop_at_json_end
     kv_epoch: int = -1  # the prefix cache's epoch when this row was prefilled
+    grammar: RowGrammar | None = None  # GenerationConfig.constraint, compiled
+    grammar_failed: bool = False  # a token the grammar refused: the row ends there
+    close_margin: int = 0  # the budget's last tokens, where the grammar closes what is open
+    top_logprobs: int = 0  # GenerationConfig.top_logprobs
+    out_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-def allowed_tokens(rows: list[RequestState]) -> list[list[int] | None] | None:
-    """Each row's allowed next tokens under its constrained start (None when no row has one)."""
-    if not any(r.sampling.choices for r in rows):
+def allowed_tokens(
+    rows: list[RequestState], masks: dict[int, torch.Tensor] | None = None
+) -> list[Allowed] | None:
+    """Each row's allowed next tokens: its grammar's mask (``masks[i]`` for row ``i``), or the
+    continuations of its constrained start; None when no row is constrained."""
+    if not masks and not any(r.sampling.choices for r in rows):
         return None
-    return [r.sampling.allowed(r.out_tokens) for r in rows]
+    out: list[Allowed] = []
+    for i, r in enumerate(rows):
+        mask = masks.get(i) if masks else None
+        out.append(mask if mask is not None else r.sampling.allowed(r.out_tokens))
+    return out
 
 
 def length_groups(

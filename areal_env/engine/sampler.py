@@ -11,10 +11,13 @@ one ``multinomial`` call per row, which matters on small, busy CPUs.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,17 +79,52 @@ def sampling_log_probs(
     return torch.log_softmax(filtered, dim=-1)
 
 
+Allowed = list[int] | torch.Tensor | None
+"""A row's allowed next tokens: a list of ids (a constrained start), a bool mask over the
+vocabulary (a grammar), or None (any token)."""
+
+
+def _restricted(
+    full_row: torch.Tensor, allowed: list[int] | torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """``full_row`` with the tokens outside ``allowed`` at ``-inf``; and how many are allowed."""
+    if isinstance(allowed, torch.Tensor):
+        mask = allowed.to(full_row.device)
+        if (
+            mask.shape[0] < full_row.shape[0]
+        ):  # the model's vocabulary is padded past the tokenizer's
+            mask = torch.cat([mask, mask.new_zeros(full_row.shape[0] - mask.shape[0])])
+        return full_row.masked_fill(~mask, float("-inf")), int(mask.sum())
+    ids = torch.tensor(allowed, dtype=torch.long, device=full_row.device)
+    row = torch.full_like(full_row, float("-inf"))
+    row[ids] = full_row[ids]
+    return row, len(allowed)
+
+
 def sample_rows(
     logits: torch.Tensor,
     rows: list[RowSampling],
-    allowed: list[list[int] | None] | None = None,
+    allowed: list[Allowed] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row; return the tokens and their logprobs (plain Python lists).
+    """Pick one token per row; return the tokens and their logprobs (see ``sample_rows_top``)."""
+    tokens, logps, _ = sample_rows_top(logits, rows, allowed)
+    return tokens, logps
 
+
+def sample_rows_top(
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    allowed: list[Allowed] | None = None,
+    top_n: list[int] | None = None,
+) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+    """Pick one token per row; return the tokens, their logprobs and, for rows with
+    ``top_n[i] > 0``, the ``top_n[i]`` most likely tokens of the distribution the logprob is
+    reported under (as ``(id, logprob)``, most likely first).
     Greedy rows take the argmax and report the logprob under the untempered, untruncated
     distribution (a point mass would give 0 and carry no information for training).
-    ``allowed[i]``: row i may only pick one of these tokens (constrained decoding); it is drawn
-    from the row's tempered distribution restricted to them. Its reported logprob:
+    ``allowed[i]``: row i may only pick one of these tokens (a constrained start's list of ids, or
+    a grammar's bool mask); it is drawn from the row's tempered distribution restricted to them.
+    Its reported logprob:
 
     - a choice (several allowed tokens): the model's tempered, *unrestricted* logprob, the one
       the trainer recomputes from the same weights, so the PPO ratio starts at 1. The restricted
@@ -112,21 +150,27 @@ def sample_rows(
     )
     logp = sampling_log_probs(logits, temp, top_k, top_p)
     report = logp
-    constrained = [i for i, a in enumerate(allowed or []) if a]
+    limits = allowed or []
+    constrained = [
+        i for i, a in enumerate(limits) if a is not None and not (isinstance(a, list) and not a)
+    ]
+    n_allowed: dict[int, int] = {}
     if constrained:
         full = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
         logp, report = logp.clone(), logp.clone()
         for i in constrained:
-            ids = torch.tensor(allowed[i], dtype=torch.long, device=device)  # type: ignore[index]
-            row = torch.full_like(logp[i], float("-inf"))
-            row[ids] = full[i, ids]
+            row, n_allowed[i] = _restricted(full[i], limits[i])  # type: ignore[arg-type]
+            if n_allowed[i] == 0:  # nothing allowed (a grammar in error): leave the row free
+                logger.warning("row %d: the constraint allows no token; sampling it freely", i)
+                n_allowed[i] = -1
+                continue
             # Normalised before it is drawn from: at a low temperature every allowed token may
             # be so unlikely that exp() of the unnormalised row underflows to 0 everywhere, and
             # the inverse-CDF draw would then return a token outside the allowed set.
             logp[i] = row - torch.logsumexp(row, dim=-1)
             # Reported: the model's own (tempered, unrestricted) logprob, which is what the
             # trainer recomputes; a forced token reports 0 (no choice, see the docstring).
-            report[i] = logp[i] if len(allowed[i]) == 1 else full[i]  # type: ignore[index,arg-type]
+            report[i] = logp[i] if n_allowed[i] == 1 else full[i]
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
@@ -141,10 +185,20 @@ def sample_rows(
         chosen.index_copy_(0, idx, draw.clamp_(max=logp.shape[-1] - 1))
     for i in constrained:
         row_s = rows[i]
-        options: list[int] = allowed[i]  # type: ignore[index,assignment]
+        options = limits[i]
+        if not isinstance(options, list):  # exploration is for a constrained start's choices
+            continue
         if row_s.explore > 0 and row_s.rng is not None and len(options) > 1:
             if row_s.rng.random() < row_s.explore:
                 chosen[i] = options[row_s.rng.randrange(len(options))]
                 row_s.explored += 1
     token_logp = report.gather(1, chosen[:, None])[:, 0]
-    return chosen.tolist(), token_logp.tolist()
+    tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    if top_n and any(top_n):
+        k = min(max(top_n), report.shape[-1])
+        values, ids = report.topk(k, dim=-1)
+        for i, n in enumerate(top_n):
+            if n:
+                pairs = zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True)
+                tops[i] = [(t, lp) for t, lp in pairs if lp > float("-inf")]
+    return chosen.tolist(), token_logp.tolist(), tops

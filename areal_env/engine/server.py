@@ -143,6 +143,10 @@ class ServeState:
                 [lp, t, None] for lp, t in zip(resp.output_logprobs, ids, strict=True)
             ]
             meta["input_token_logprobs"] = []
+            if resp.output_top_logprobs is not None:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, None] for t, lp in entry] for entry in resp.output_top_logprobs
+                ]
         if text is None:
             text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
@@ -201,7 +205,7 @@ async def _stream(state: ServeState, req: ModelRequest, return_logprob: bool) ->
         out = state.answer(req, resp, return_logprob=return_logprob, finished=finished, text="")
         new_ids = out["output_ids"] = resp.output_tokens[sent:]
         meta = out["meta_info"]
-        for key in ("output_token_logprobs", "output_token_versions"):
+        for key in ("output_token_logprobs", "output_token_versions", "output_top_logprobs"):
             if key in meta:
                 meta[key] = meta[key][sent:]
         out["text"] = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -211,6 +215,7 @@ async def _stream(state: ServeState, req: ModelRequest, return_logprob: bool) ->
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
+        tops: list[list[tuple[int, float]]] | None = [] if req.gconfig.top_logprobs else None
         sent = 0
         chunk = first
         try:
@@ -221,11 +226,14 @@ async def _stream(state: ServeState, req: ModelRequest, return_logprob: bool) ->
                 ids += chunk.token_ids
                 lps += chunk.logprobs
                 vers += chunk.versions
+                if tops is not None:
+                    tops += chunk.top_logprobs or [[] for _ in chunk.token_ids]
                 partial = ModelResponse(
                     input_tokens=req.input_ids,
                     output_tokens=ids,
                     output_logprobs=lps,
                     output_versions=vers,
+                    output_top_logprobs=tops,
                 )
                 yield delta_event(partial, sent, False)
                 sent = len(ids)

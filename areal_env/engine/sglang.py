@@ -35,6 +35,7 @@ from areal_env.engine.sglang_wire import (
     stop_reason_of,
     stream_skip,
     token_versions,
+    top_logprobs_of,
 )
 from areal_env.http import routes
 
@@ -250,6 +251,7 @@ class SGLangEngine:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        tops: list[list[tuple[int, float]]] | None = [] if req.gconfig.top_logprobs else None
         ttft = 0.0
         stop_reason = "length"
         empty_aborts = 0
@@ -273,7 +275,20 @@ class SGLangEngine:
                 tokens += new_ids
                 logprobs += new_lps
                 versions += new_versions
-                yield StreamChunk(token_ids=new_ids, logprobs=new_lps, versions=new_versions)
+                new_tops = None
+                if tops is not None:
+                    # the event's entries end with the new tokens' (answers and cumulative
+                    # events also cover the tokens before them)
+                    have = top_logprobs_of(meta)
+                    enough = len(have) >= len(new_ids)
+                    new_tops = have[-len(new_ids) :] if enough else [[] for _ in new_ids]
+                    tops += new_tops
+                yield StreamChunk(
+                    token_ids=new_ids,
+                    logprobs=new_lps,
+                    versions=new_versions,
+                    top_logprobs=new_tops,
+                )
             stop_reason = stop_reason_of(meta.get("finish_reason"))
             if stop_reason != "abort":
                 break
@@ -293,6 +308,7 @@ class SGLangEngine:
             latency=time.perf_counter() - start,
             ttft=ttft,
             rid=req.rid,
+            output_top_logprobs=tops,
         )
         yield StreamChunk(token_ids=[], logprobs=[], versions=[], final=final)
 

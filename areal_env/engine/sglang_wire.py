@@ -23,7 +23,17 @@ from __future__ import annotations
 from typing import Any
 
 from areal_env.api.engine import InferenceEngine
-from areal_env.api.io import GenerationConfig, ModelRequest
+from areal_env.api.io import Constraint, ConstraintKind, GenerationConfig, ModelRequest
+
+# GenerationConfig.constraint kinds <-> SGLang's structured-output sampling params. A ``grammar``
+# (llguidance's Lark dialect) goes as ``ebnf`` prefixed with ``%llguidance {}``, the marker SGLang
+# needs to hand it to llguidance: the SGLang server must run with ``--grammar-backend llguidance``.
+_CONSTRAINT_PARAMS: dict[ConstraintKind, str] = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "grammar": "ebnf",
+}
+_LLGUIDANCE_MARK = "%llguidance {}"
 
 # SGLang sampling params we honour, and those we accept only at their neutral value.
 _NEUTRAL_PARAMS: dict[str, Any] = {
@@ -33,9 +43,6 @@ _NEUTRAL_PARAMS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "min_p": 0.0,
     "n": 1,
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
     "structural_tag": None,
     "logit_bias": None,
     "stop_regex": None,
@@ -74,6 +81,9 @@ def gconfig_from_sampling_params(sp: dict[str, Any] | None) -> GenerationConfig:
         "stop_token_ids",
         "ignore_eos",
         "sampling_seed",
+        "json_schema",
+        "regex",
+        "ebnf",
     }
     unknown = sorted(set(sp) - known)
     if unknown:
@@ -85,6 +95,13 @@ def gconfig_from_sampling_params(sp: dict[str, Any] | None) -> GenerationConfig:
     if isinstance(stop, str):
         stop = [stop]
     temperature = sp.get("temperature", 1.0)
+    constraints = [
+        Constraint(kind, sp[param])
+        for kind, param in _CONSTRAINT_PARAMS.items()
+        if sp.get(param) is not None
+    ]
+    if len(constraints) > 1:
+        raise BadRequest("only one of json_schema, regex and ebnf may be given")
     try:
         return GenerationConfig(
             max_new_tokens=int(sp.get("max_new_tokens", 128)),
@@ -96,6 +113,7 @@ def gconfig_from_sampling_params(sp: dict[str, Any] | None) -> GenerationConfig:
             stop_token_ids=list(sp["stop_token_ids"]) if sp.get("stop_token_ids") else None,
             ignore_eos=bool(sp.get("ignore_eos", False)),
             seed=int(sp["sampling_seed"]) if sp.get("sampling_seed") is not None else None,
+            constraint=constraints[0] if constraints else None,
         )
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from e
@@ -119,13 +137,19 @@ def sampling_params_from_gconfig(g: GenerationConfig, max_new_tokens: int | None
         params["stop_token_ids"] = list(g.stop_token_ids)
     if g.seed is not None:
         params["sampling_seed"] = int(g.seed)
+    c = g.constraint
+    if c is not None:
+        value = c.value
+        if c.kind == "grammar" and not value.lstrip().startswith(_LLGUIDANCE_MARK):
+            value = f"{_LLGUIDANCE_MARK}\n{value}"
+        params[_CONSTRAINT_PARAMS[c.kind]] = value
     return params
 
 
 def generate_payload(req: ModelRequest, prefix: list[int], remaining: int, n: int) -> dict:
     """The ``/generate`` body for segment ``n`` of ``req`` (prompt + ``prefix`` already made,
     ``remaining`` tokens left)."""
-    return {
+    payload = {
         "input_ids": list(req.input_ids) + prefix,
         "sampling_params": sampling_params_from_gconfig(req.gconfig, remaining),
         "return_logprob": True,
@@ -133,6 +157,9 @@ def generate_payload(req: ModelRequest, prefix: list[int], remaining: int, n: in
         # SGLang refuses a rid that is still in flight; a re-submission gets its own.
         "rid": req.rid if n == 0 else f"{req.rid}-r{n}",
     }
+    if req.gconfig.top_logprobs:
+        payload["top_logprobs_num"] = int(req.gconfig.top_logprobs)
+    return payload
 
 
 def token_versions(default: int, meta: dict, n_tokens: int) -> list[int]:
@@ -172,6 +199,19 @@ def stream_skip(have: int, n_ids: int, meta: dict) -> int:
     """
     total = int(meta.get("completion_tokens") or n_ids)
     return have - max(0, total - n_ids)
+
+
+def top_logprobs_of(meta: dict) -> list[list[tuple[int, float]]]:
+    """``meta_info.output_top_logprobs`` (per token ``[[logprob, id, text], ...]``) as
+    ``(id, logprob)`` pairs, one list per token it covers (empty when absent)."""
+    tops = meta.get("output_top_logprobs")
+    if not isinstance(tops, list):
+        return []
+    return [
+        [(int(e[1]), float(e[0])) for e in entry if e and e[0] is not None]
+        for entry in tops
+        if isinstance(entry, list)
+    ]
 
 
 def parse_generate_output(out: Any) -> tuple[list[int], list[float], dict]:
@@ -264,6 +304,10 @@ def parse_generate(
     stream = bool(body.get("stream", False))
     if stream and batched:
         raise BadRequest("stream is supported for one prompt at a time")
-    if body.get("top_logprobs_num"):
-        raise BadRequest("top_logprobs_num is not supported by areal-env serve")
+    top = body.get("top_logprobs_num") or 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise BadRequest("top_logprobs_num must be an integer in [0, 20]")
+    if top:
+        for r in reqs:
+            r.gconfig = r.gconfig.new(top_logprobs=top)
     return reqs, batched, bool(body.get("return_logprob", False)), stream

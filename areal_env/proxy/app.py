@@ -23,7 +23,7 @@ from areal_env.http import routes
 from areal_env.http.body import read_json, request_key
 from areal_env.http.codec import json_response
 from areal_env.http.errors import HTTPError, bad_request, install_error_handlers
-from areal_env.proxy.cache import Interaction
+from areal_env.proxy.cache import Interaction, InteractionCache
 from areal_env.proxy.pipeline import ProxyState
 from areal_env.proxy.protocols import anthropic, openai_chat, responses
 from areal_env.proxy.protocols.common import (
@@ -263,7 +263,7 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
                 "style": style,
                 "trajectories": rows,
                 "interactions": [
-                    _interaction_summary(state, it, include_text)
+                    _interaction_summary(state, it, include_text, session.cache)
                     for it in session.cache.interactions()
                 ],
                 "stats": session.stats.as_dict(),
@@ -309,7 +309,18 @@ def _session_sampling(body: dict[str, Any]) -> dict[str, Any] | None:
         raise bad_request(str(e), "sampling") from None
 
 
-def _interaction_summary(state: ProxyState, it: Interaction, include_text: bool) -> dict[str, Any]:
+def _new_messages(it: Interaction, cache: InteractionCache) -> list[dict[str, Any]]:
+    """The request messages an interaction added to its parent's conversation (all of them for
+    a root): tool results, user turns. Readers rebuild a session's tree from these without
+    repeating every earlier turn."""
+    if it.parent_id is None or it.parent_id not in cache:
+        return it.messages
+    return it.messages[len(cache.get(it.parent_id).messages) + 1 :]
+
+
+def _interaction_summary(
+    state: ProxyState, it: Interaction, include_text: bool, cache: InteractionCache
+) -> dict[str, Any]:
     versions = it.output_versions
     names = [c.get("function", {}).get("name") for c in it.output_message.get("tool_calls") or []]
     offered = {(t.get("function") or t).get("name") for t in it.tools or [] if isinstance(t, dict)}
@@ -332,4 +343,6 @@ def _interaction_summary(state: ProxyState, it: Interaction, include_text: bool)
         dec = state.tokenizer.decode
         out["prompt_text"] = dec(it.prompt_ids, skip_special_tokens=False)
         out["completion_text"] = dec(it.output_ids, skip_special_tokens=False)
+        out["messages"] = _new_messages(it, cache)
+        out["output_message"] = it.output_message
     return out

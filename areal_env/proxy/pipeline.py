@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from areal_env.api.config import ProxyConfig
 from areal_env.api.engine import EngineUnavailableError, InferenceEngine, PromptTooLongError
-from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse, StreamChunk
+from areal_env.api.io import (
+    Constraint,
+    GenerationConfig,
+    ModelRequest,
+    ModelResponse,
+    StreamChunk,
+)
+from areal_env.engine.grammar import ConstraintError, schema_error
 from areal_env.http.errors import HTTPError, bad_request
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
 from areal_env.proxy.protocols.common import (
@@ -127,13 +136,7 @@ class ProxyState:
         prompt_ids = self._render(session, creq, parent)
         n_prompt = len(prompt_ids)
         if n_prompt + 1 > self.max_context_len:
-            raise HTTPError(
-                413,
-                f"prompt has {n_prompt} tokens; with at least one new token it exceeds the "
-                f"context length {self.max_context_len}",
-                param="messages",
-                code="context_length_exceeded",
-            )
+            raise context_error(protocol, n_prompt, self.max_context_len)
         if cache.max_tokens is not None and cache.total_tokens + n_prompt + 1 > cache.max_tokens:
             raise HTTPError(
                 413,
@@ -151,9 +154,10 @@ class ProxyState:
             default_max_tokens=self.config.default_max_tokens,
         )
         max_new = max(1, min(sampling.max_new_tokens, self.max_context_len - n_prompt))
+        constraint = self.constraint(creq)
         required = (
             self.renderer.required_call(creq.tools, creq.tool_choice)
-            if self.config.constrain_required and creq.parse_tools
+            if self.config.constrain_required and creq.parse_tools and constraint is None
             else None
         )
         try:
@@ -169,6 +173,8 @@ class ProxyState:
                 prefix_choices=required.choices if required else None,
                 choice_exploration=sampling.choice_exploration if required else 0.0,
                 stop_at_json_end=required.json_start if required else None,
+                constraint=constraint,
+                top_logprobs=creq.top_logprobs if creq.logprobs else 0,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -183,6 +189,39 @@ class ProxyState:
             protocol=protocol,
             started=time.perf_counter(),
         )
+
+    def constraint(self, creq: CompletionRequest) -> Constraint | None:
+        """What constrained decoding holds the reply to: the requested output format (JSON, a
+        schema) and strict tools' arguments inside the model family's call format; None when
+        the request asks for neither. Schemas that cannot be honoured are a 400 naming the
+        parameter, before anything is generated."""
+        fmt = creq.output_format
+        if fmt is not None and fmt.schema is not None:
+            error = schema_error(fmt.schema)
+            if error:
+                raise bad_request(f"{fmt.param}: the schema cannot be honoured: {error}", fmt.param)
+        tools = creq.parse_tools or []
+        strict = False
+        for i, tool in enumerate(tools):
+            fn = tool["function"]
+            if fn.get("strict"):
+                strict = True
+                error = schema_error(fn.get("parameters"))
+                if error:
+                    param = f"tools[{i}].function.parameters"
+                    raise bad_request(
+                        f"{param}: the schema of strict tool {fn['name']!r} cannot be honoured: "
+                        f"{error}",
+                        param,
+                    )
+        answer = fmt.schema if fmt is not None else None
+        if tools and (strict or fmt is not None):
+            grammar = self.renderer.call_grammar(tools, creq.tool_choice, answer)
+            if grammar:
+                return Constraint("grammar", grammar)
+        if answer is not None:
+            return Constraint("json_schema", json.dumps(answer, ensure_ascii=False))
+        return None
 
     def _render(
         self, session: Session, creq: CompletionRequest, parent: Interaction | None
@@ -283,7 +322,9 @@ class ProxyState:
                 },
                 "logprob_temperature": prep.sampling.logprob_temperature,
                 "explored": result.explored,
-                "constrained": prep.gconfig.prefix_choices is not None,
+                # the tokens that were the only one allowed (logprob 0) are out of the loss mask
+                "constrained": prep.gconfig.prefix_choices is not None
+                or prep.gconfig.constraint is not None,
             },
         )
         try:
@@ -307,24 +348,60 @@ class ProxyState:
             interaction=it,
         )
 
+    def choices(self, prep: Prepared) -> list[Prepared]:
+        """One ``Prepared`` per requested choice (``n``): the same prompt (its KV is shared
+        through the engine's prefix cache), each its own interaction, a branch of the session's
+        tree, with its own seed when the request gave one."""
+        n = prep.creq.n
+        if n <= 1:
+            return [prep]
+        seed = prep.gconfig.seed
+        return [
+            dataclasses.replace(
+                prep,
+                interaction_id=prep.interaction_id if i == 0 else f"{prep.interaction_id}-{i}",
+                gconfig=prep.gconfig.new(seed=None if seed is None else seed + i),
+            )
+            for i in range(n)
+        ]
+
     async def generate(self, prep: Prepared, model: str = "") -> Answer:
+        """The answer of ``prep`` (with ``n > 1``, its other choices in ``alternatives``)."""
         session = prep.session
         session.in_flight += 1
         try:
-            with engine_errors():
-                result = await self.engine.agenerate(self.model_request(prep))
-            done = self.record(prep, result, model)
-            if prep.creq.logprobs:
-                it = done.interaction
-                done.logprobs = self.logprob_entries(it.output_ids, it.output_logprobs)
-            return done
+            preps = self.choices(prep)
+            with self.engine_errors(prep):
+                results = await asyncio.gather(
+                    *(self.engine.agenerate(self.model_request(p)) for p in preps)
+                )
+            answers = []
+            for p, result in zip(preps, results, strict=True):
+                done = self.record(p, result, model)
+                if prep.creq.logprobs:
+                    done.logprobs = self.logprob_entries(
+                        result.output_tokens, result.output_logprobs, result.output_top_logprobs
+                    )
+                answers.append(done)
+            first = answers[0]
+            first.alternatives = answers[1:]
+            return first
         finally:
             session.in_flight -= 1
             session.touch()
 
-    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        keep = [(t, lp) for t, lp in zip(ids, logprobs, strict=False) if t not in self._skip_ids]
-        return self.token_texts.logprob_entries([t for t, _ in keep], [lp for _, lp in keep])
+    def logprob_entries(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> list[dict[str, Any]]:
+        keep = [i for i, t in enumerate(ids[: len(logprobs)]) if t not in self._skip_ids]
+        return self.token_texts.logprob_entries(
+            [ids[i] for i in keep],
+            [logprobs[i] for i in keep],
+            [tops[i] for i in keep] if tops is not None and len(tops) == len(ids) else None,
+        )
 
     # ---- streaming ----------------------------------------------------------------------------
     async def open_stream(
@@ -334,7 +411,7 @@ class ProxyState:
         agen = self.engine.agenerate_stream(self.model_request(prep))
         prep.session.in_flight += 1
         try:
-            with engine_errors():
+            with self.engine_errors(prep):
                 first = await agen.__anext__()
         except BaseException:
             prep.session.in_flight -= 1
@@ -369,14 +446,16 @@ class ProxyState:
             chunk = first
             while True:
                 if creq.logprobs and chunk.token_ids:
-                    pending_lp.extend(self.logprob_entries(chunk.token_ids, chunk.logprobs))
+                    pending_lp.extend(
+                        self.logprob_entries(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                    )
                 text = ts.add(chunk.token_ids)
                 if text:
                     yield writer.text(text, pending_lp)
                     pending_lp = []
                 if chunk.final is not None:
                     break
-                with engine_errors():
+                with self.engine_errors(prep):
                     chunk = await agen.__anext__()
             text = ts.finish()
             if text:
@@ -425,24 +504,43 @@ class ProxyState:
             "stats": self.registry.aggregate_stats(),
         }
 
+    @contextlib.contextmanager
+    def engine_errors(self, prep: Prepared) -> Iterator[None]:
+        """Engine exceptions → client statuses (503 down, 400 too long, 400 invalid; a
+        constraint the engine cannot honour names the request's parameter)."""
+        try:
+            yield
+        except HTTPError:
+            raise
+        except EngineUnavailableError as e:
+            raise HTTPError(
+                503, f"inference engine unavailable: {e}", code="engine_unavailable"
+            ) from None
+        except PromptTooLongError:
+            raise context_error(prep.protocol, len(prep.prompt_ids), self.max_context_len) from None
+        except ConstraintError as e:
+            fmt = prep.creq.output_format
+            param = fmt.param if fmt is not None else "tools"
+            raise bad_request(f"{param}: cannot be honoured: {e}", param) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except StopAsyncIteration:
+            raise HTTPError(503, "inference engine ended the stream without a result") from None
 
-@contextlib.contextmanager
-def engine_errors():
-    """Engine exceptions → client statuses (503 down, 413 too long, 400 invalid)."""
-    try:
-        yield
-    except HTTPError:
-        raise
-    except EngineUnavailableError as e:
-        raise HTTPError(
-            503, f"inference engine unavailable: {e}", code="engine_unavailable"
-        ) from None
-    except PromptTooLongError as e:
-        raise HTTPError(413, str(e), code="context_length_exceeded") from None
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    except StopAsyncIteration:
-        raise HTTPError(503, "inference engine ended the stream without a result") from None
+
+def context_error(protocol: str, n_prompt: int, limit: int) -> HTTPError:
+    """A prompt over the context, in the words each protocol's clients key on: Anthropic's
+    "prompt is too long: M tokens > N maximum" (what Claude-Code-style clients compact on),
+    OpenAI's ``context_length_exceeded`` with its message. A 400, as both APIs answer."""
+    if protocol == "anthropic":
+        return HTTPError(400, f"prompt is too long: {n_prompt} tokens > {limit} maximum")
+    return HTTPError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {n_prompt} tokens. Please reduce the length of the messages.",
+        param="input" if protocol == "responses" else "messages",
+        code="context_length_exceeded",
+    )
 
 
 def _with_call_stop(stop: list[str] | None, call_stop: list[str]) -> list[str] | None:

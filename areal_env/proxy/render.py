@@ -441,6 +441,15 @@ class ChatRenderer:
             return self._format.prefill(None)
         return ""
 
+    def call_grammar(
+        self, tools: Any, tool_choice: Any, answer_schema: dict[str, Any] | None
+    ) -> str | None:
+        """The grammar of a reply that calls ``tools`` in this model family's format (strict
+        tools' arguments matching their schemas) or answers with ``answer_schema``'s JSON; it
+        continues ``prefill_text`` (see ``ToolParser.call_grammar``)."""
+        offered = self._offered_tools(tools, tool_choice)
+        return self._format.call_grammar(offered, tool_choice, answer_schema)
+
     def required_call(self, tools: Any, tool_choice: Any) -> RequiredCall | None:
         """How to hold a ``tool_choice: required`` reply to one call of an offered tool, as
         OpenAI's API and vLLM/SGLang's guided decoding guarantee; None for other choices."""

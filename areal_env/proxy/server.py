@@ -180,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-context-len", type=int, default=None)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine's decode loop (model.num_threads; default: torch's "
+        "choice). On a busy machine 1 is often fastest: 2-thread regions wait for descheduled "
+        "threads",
+    )
     args = p.parse_args(argv)
 
     from areal_env.engine.local import LocalEngine
@@ -204,8 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"areal-env proxy: {e}", file=sys.stderr)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"areal-env proxy: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     engine = LocalEngine(
-        path, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len
+        path,
+        max_batch_size=args.max_batch_size,
+        max_context_len=args.max_context_len,
+        num_threads=args.threads,
     )
     engine.initialize()
     server = ProxyServer(engine, engine.tokenizer, cfg)

@@ -25,6 +25,7 @@ import logging
 import re
 from typing import Any
 
+from areal_env.engine.grammar import JSON_LAYOUT
 from areal_env.proxy.tool_json import (
     Salvage,
     as_object,
@@ -118,10 +119,87 @@ class ToolParser:
     #: under ``tool_choice: required`` stops there: what a model writes after its call block
     #: (a guessed result, "The answer is ...") is never sent on, only trained on and shown back.
     calls_end: str | None = None
+    #: The call block's text around the calls (``format_calls`` writes exactly this), used to
+    #: write the grammar of strict tools (``call_grammar``). ``block_close`` None: no grammar.
+    block_open = ""
+    call_sep = ""
+    block_close: str | None = None
+    args_key = "arguments"
 
     def parse(self, text: str) -> ParseResult:
         """Split ``text`` into content and calls; never raises."""
         return _plain(text)
+
+    def call_grammar(
+        self,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: Any = None,
+        answer_schema: dict[str, Any] | None = None,
+    ) -> str | None:
+        """A Lark grammar (llguidance's dialect) for a reply under constrained decoding: calls in
+        this family's wrapper whose arguments match their tool's schema (any JSON object for a
+        tool that is not ``strict``), and, besides them, free text or, with ``answer_schema``,
+        a JSON answer matching it. Under a named or ``required`` tool_choice the reply continues
+        the prompt's ``prefill`` and is one or more calls. None where this family has no call
+        block to write (``none``) and there are no tools to call."""
+        specs = function_specs(tools) if tool_choice != "none" else []
+        layout = dict(JSON_LAYOUT)
+        answer = (
+            "%json " + json.dumps({**answer_schema, "x-guidance": layout}, ensure_ascii=False)
+            if answer_schema is not None
+            else None
+        )
+        if not specs or self.block_close is None:
+            return f"%llguidance {{}}\nstart: {answer}\n" if answer else None
+        lines = ["%llguidance {}"]
+        names = []
+        for i, fn in enumerate(specs):
+            lines.append(
+                f"args_{i}: %json "
+                + json.dumps({**_args_schema(fn), "x-guidance": layout}, ensure_ascii=False)
+            )
+            names.append(json.dumps(fn["name"], ensure_ascii=False))
+        opening = _lark_literal(call_opening("X", self.args_key).split('"X"')[0])
+        key = _lark_literal(f', "{self.args_key}": ')
+        for i, name in enumerate(names):
+            lines.append(f'call_{i}: {opening} {_lark_literal(name)} {key} args_{i} "}}"')
+            rest = _lark_literal(name[1:] + f', "{self.args_key}": ')
+            lines.append(f'named_rest_{i}: {rest} args_{i} "}}"')
+        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(names))))
+        sep, close = _lark_literal(self.call_sep), _lark_literal(self.block_close)
+        more = f"({sep} call)*" if self.call_sep else ""
+        forced = tool_choice_name(tool_choice)
+        if forced in {fn["name"] for fn in specs}:
+            i = [fn["name"] for fn in specs].index(forced)  # after prefill(name): ' {args}}'
+            lines.append(f'start: " " args_{i} "}}" {close}')
+        elif tool_choice == "required":  # after prefill(None): 'name", "arguments": {args}}'
+            first = " | ".join(f"named_rest_{i}" for i in range(len(names)))
+            lines.append(f"start: ({first}) {more} {close}")
+        elif answer_schema is not None and not self.block_open:
+            # bare JSON calls and a JSON answer both start with "{": one schema for either
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, self.args_key: _args_schema(fn)},
+                    "required": ["name", self.args_key],
+                    "additionalProperties": False,
+                }
+                for fn in specs
+            ]
+            either = {"anyOf": [answer_schema, *calls], "x-guidance": layout}
+            lines.append("start: %json " + json.dumps(either, ensure_ascii=False))
+        elif answer:
+            block = f"{_lark_literal(self.block_open)} call {more} {close}"
+            lines.append(f"start: answer | {block}")
+            lines.append(f"answer: {answer}")
+        elif self.block_open:
+            lines.append(f"start: TEXT | head call {more} {close}")
+            lines.append(f"head[lazy]: TEXT {_lark_literal(self.block_open)}")
+            lines.append("TEXT: /(.|\\n)*/")
+        else:  # the calls are bare JSON: text that does not start with "{" is prose
+            lines.append(f"start: TEXT | call {more} {close}")
+            lines.append("TEXT: /([^{](.|\\n)*)?/")
+        return "\n".join(lines) + "\n"
 
     def safe_parse(self, text: str) -> ParseResult:
         """``parse`` with a last-resort guard: any unexpected exception → text + error flag."""
@@ -211,6 +289,17 @@ class ToolParser:
         return [{"role": "user", "content": request}, {"role": "assistant", "content": call}]
 
 
+def _args_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    """What a call's arguments must match: a ``strict`` tool's parameters, else any object."""
+    params = fn.get("parameters") if fn.get("strict") else None
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def _lark_literal(text: str) -> str:
+    """``text`` as a Lark string literal (JSON's escapes are Lark's); nothing for ``""``."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
 class HermesParser(ToolParser):
     """``<tool_call>`` tags holding a JSON object or a JSON list of objects.
 
@@ -222,6 +311,9 @@ class HermesParser(ToolParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
     calls_end: str | None = "</tool_call>"  # the list form: one block holds every call
+    block_open = "<tool_call>["
+    call_sep = ", "
+    block_close: str | None = "]</tool_call>"
     call_format_hint = (
         '<tool_call>[{"name": "func_name1", "arguments": {"argument1": "value1", '
         '"argument2": "value2"}}]</tool_call>'
@@ -274,6 +366,9 @@ class QwenParser(HermesParser):
 
     name = "qwen"
     calls_end = None  # one tag per call: parallel calls follow the first closing tag
+    block_open = "<tool_call>\n"
+    call_sep = "\n</tool_call>\n<tool_call>\n"
+    block_close = "\n</tool_call>"
     call_format_hint = (
         '<tool_call>\n{"name": "func_name1", "arguments": {"argument1": "value1"}}\n</tool_call>'
     )
@@ -294,6 +389,10 @@ class Llama3Parser(ToolParser):
 
     name = "llama3"
     python_tag = "<|python_tag|>"
+    block_open = ""
+    call_sep = "; "
+    block_close = ""
+    args_key = "parameters"
     call_format_hint = '{"name": "func_name1", "parameters": {"argument1": "value1"}}'
     _looks_like_call = re.compile(r'^\s*[\[{]\s*\{?\s*"(name|function)"\s*:')
 
@@ -337,6 +436,9 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    block_open = "[TOOL_CALLS]["
+    call_sep = ", "
+    block_close = "]"
     call_format_hint = '[TOOL_CALLS][{"name": "func_name1", "arguments": {"argument1": "value1"}}]'
     _args_re = re.compile(r"^\s*([^\[\]{}\s]+)\s*(?:\[CALL_ID\]\s*\S+?\s*)?\[ARGS\]", re.DOTALL)
 

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -76,6 +76,9 @@ from areal_env.trainer.tree import (
     tree_token_logprobs,
 )
 from areal_env.trainer.tree_attention import enable_tree_attention, flex_probe, tree_kernel
+
+if TYPE_CHECKING:
+    from areal_env.trainer.token_record import UpdateTrace
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,9 @@ class PPOActor:
             )
         self.update_count = 0
         self._warned_temp = False
+        self.trace: UpdateTrace | None = None
+        """The token record's hook (``rollout.dump_to_file``, rank 0): sees each update's
+        prepared batch and every micro-batch's logprobs and clip flags. Never changes them."""
 
     def _check_flex(self) -> None:
         """Compile and run FlexAttention once for this model's heads; with ``tree_attention:
@@ -399,7 +405,7 @@ class PPOActor:
                 stats["actor/behav_prox_logp_diff"] = float((old - behav)[mask].abs().mean())
         ref = self.compute_logprobs(batch, self.ref_model) if self.ref_model is not None else None
         stats["time/recompute_s"] = time.perf_counter() - t0
-        return PreparedBatch(
+        pb = PreparedBatch(
             input_ids=batch["input_ids"].long(),
             attention_mask=attn,
             mask=mask,
@@ -411,6 +417,9 @@ class PPOActor:
             stats=stats,
             temps=self.row_temperatures(batch),
         )
+        if self.trace is not None:
+            self.trace.prepared(batch, pb)
+        return pb
 
     # -- update -----------------------------------------------------------------------------
 
@@ -568,6 +577,8 @@ class PPOActor:
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
+        if self.trace is not None:
+            self.trace.scored(rows, m, logp, diag["clipped"])
         out = {k: float(v.sum()) for k, v in diag.items()}
         out["log_ratio_max"] = float((logp.detach() - old).abs().max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0

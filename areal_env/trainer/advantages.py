@@ -64,8 +64,9 @@ def group_advantages(
     """Per-row advantages ``[B]`` from per-row rewards ``[B]``.
 
     ``group_ids`` missing = the whole batch is one group; ``traj_ids`` missing = every row is its
-    own trajectory. The std is the unbiased sample std over the group's trajectory scores; a
-    group with one trajectory (e.g. the rest were rejected) gets advantage 0.
+    own trajectory. The std is the unbiased sample std over the group's trajectory scores. With
+    ``mean_norm``, a group without signal — one trajectory (e.g. the rest were rejected), or
+    trajectories that all score the same — gets advantage 0 on every row.
     """
     rewards = rewards.float().view(-1)
     n = rewards.numel()
@@ -82,10 +83,15 @@ def group_advantages(
             [rewards[rows[g_tids == t]].mean() for t in torch.unique(g_tids).tolist()]
         )
         n_traj_total += scores.numel()
-        if scores.numel() < 2 or float(scores.max() - scores.min()) < eps:
-            zero_var += 1
+        no_signal = scores.numel() < 2 or float(scores.max() - scores.min()) < eps
+        zero_var += no_signal
         if not mean_norm:
             adv[rows] = rewards[rows]
+            continue
+        if no_signal:
+            # Nothing to compare: advantage 0 for every row. (Rows of one trajectory may still
+            # differ, e.g. discounted earlier completions; dividing their spread by a std of 0
+            # made advantages of 1e5.)
             continue
         mean = scores.mean()
         centred = rewards[rows] - mean

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_env.api.records import field_dict
-from areal_env.trainer.stats import dump_records
+from areal_env.trainer.stats import conversation_fields, dump_records
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ def _reward_value(reward: Any) -> float | None:
 
 @dataclass
 class EvalResult:
-    """One evaluation: its metrics and each task's outcome."""
+    """One evaluation: its metrics and each task's outcome, on the held-out set and, in
+    ``extra``, on each named extra held-out set (``extra_valid_datasets``)."""
 
     version: int
     step: int
@@ -119,9 +120,31 @@ class EvalResult:
     outcomes: dict[str, bool] = field(default_factory=dict)
     """task id -> success."""
     rewards: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, EvalResult] = field(default_factory=dict)
+    """Set name -> that set's evaluation (same version and step)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return field_dict(self)
+        out = field_dict(self, exclude=("extra",))
+        out["extra"] = {name: r.to_dict() for name, r in self.extra.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
+        return cls(
+            int(d["version"]),
+            int(d["step"]),
+            d["metrics"],
+            d["outcomes"],
+            d.get("rewards", {}),
+            {name: cls.from_dict(x) for name, x in (d.get("extra") or {}).items()},
+        )
+
+    def flat_metrics(self) -> dict[str, float]:
+        """The held-out set's metrics, and each extra set's as ``<set>/<metric>``."""
+        out = dict(self.metrics)
+        for name, r in self.extra.items():
+            out.update({f"{name}/{k}": v for k, v in r.metrics.items()})
+        return out
 
 
 def episode_metrics(
@@ -182,14 +205,18 @@ def episode_metrics(
 # --------------------------------------------------------------------------------------------
 
 
-def eval_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Held-out items with a task id each (``valid-{i}`` when an item has none)."""
+def eval_items(items: list[dict[str, Any]], prefix: str = "valid") -> list[dict[str, Any]]:
+    """Held-out items with a task id each (``{prefix}-{i}`` when an item has none)."""
     out = []
     for i, it in enumerate(items):
         if not any(it.get(k) is not None for k in ("task_id", "id", "query_id")):
-            it = {**it, "task_id": f"valid-{i}"}
+            it = {**it, "task_id": f"{prefix}-{i}"}
         out.append(it)
     return out
+
+
+def _task_id(item: dict[str, Any]) -> str:
+    return str(next(item[k] for k in ("task_id", "id", "query_id") if item.get(k) is not None))
 
 
 def _unwrap_proxy_workflow(workflow: Any) -> Any:
@@ -204,7 +231,9 @@ class Evaluator:
 
     ``workflow``: an ungrouped workflow (``resolve_workflow(..., rollout=<n_samples=1>)``); when
     it is an ``OpenAIProxyWorkflow`` it is switched to eval mode (greedy sessions, ``is_eval``).
-    A workflow that does not run through the proxy is evaluated as it samples.
+    A workflow that does not run through the proxy is evaluated as it samples. ``extra_sets``:
+    named held-out sets evaluated beside ``items`` (in the same rollout) and reported apart, e.g.
+    new phrasings of the same tasks: a gain that only fits the training templates shows there.
     """
 
     def __init__(
@@ -219,6 +248,7 @@ class Evaluator:
         admin_key: str | None,
         success_reward: float = 1.0,
         show_progress: bool = True,
+        extra_sets: dict[str, list[dict[str, Any]]] | None = None,
     ) -> None:
         from areal_env.workflow.executor import RolloutExecutor
 
@@ -234,6 +264,20 @@ class Evaluator:
         self.items = eval_items(list(items))
         if not self.items:
             raise ValueError("evaluation needs at least one held-out item (valid_dataset)")
+        self.extra_sets = {
+            name: eval_items(list(xs), prefix=name) for name, xs in (extra_sets or {}).items()
+        }
+        seen: dict[str, str] = {_task_id(it): "valid_dataset" for it in self.items}
+        for name, xs in self.extra_sets.items():
+            if not xs:
+                raise ValueError(f"the held-out set {name!r} has no items")
+            for it in xs:
+                other = seen.setdefault(_task_id(it), name)
+                if other != name:
+                    raise ValueError(
+                        f"task id {_task_id(it)!r} is in the held-out sets {other!r} and "
+                        f"{name!r}: held-out sets must not share task ids"
+                    )
         self.run_dir = Path(run_dir)
         self.success_reward = success_reward
         self.executor = RolloutExecutor(
@@ -252,32 +296,57 @@ class Evaluator:
     async def evaluate(self, *, version: int, step: int) -> EvalResult:
         """Evaluate the engine's current weights (``version``) on every item."""
         t0 = time.perf_counter()
-        logger.info("evaluating version %d on %d held-out items (greedy)", version, len(self.items))
+        every = self.items + [it for xs in self.extra_sets.values() for it in xs]
+        logger.info("evaluating version %d on %d held-out items (greedy)", version, len(every))
         self.executor.set_version(version)
-        batch = await self.executor.rollout_batch(self.items, trainer_version=version)
+        batch = await self.executor.rollout_batch(every, trainer_version=version)
         episodes = [e.to_dict() for e in batch.episodes]
-        metrics, outcomes, rewards = episode_metrics(episodes, self.success_reward)
-        metrics["time_s"] = time.perf_counter() - t0
-        result = EvalResult(version, step, metrics, outcomes, rewards)
+        elapsed = time.perf_counter() - t0
+        result = self._result(version, step, self.items, episodes, elapsed)
+        for name, xs in self.extra_sets.items():
+            result.extra[name] = self._result(version, step, xs, episodes, elapsed)
         if self.history:
-            metrics["p_value_vs_first"] = paired_p_value(self.history[0].outcomes, outcomes)
+            first = self.history[0]
+            result.metrics["p_value_vs_first"] = paired_p_value(first.outcomes, result.outcomes)
+            for name, r in result.extra.items():
+                if name in first.extra:
+                    r.metrics["p_value_vs_first"] = paired_p_value(
+                        first.extra[name].outcomes, r.outcomes
+                    )
         self.history.append(result)
         self._write(result, episodes)
-        lo, hi = metrics["success_ci_low"], metrics["success_ci_high"]
-        logger.info(
-            "eval v%d: success %.1f%% (95%% CI %.1f-%.1f%%) of %d, reward %.3f, valid tool calls "
-            "%.1f%%, turns %.2f (%.0f s)",
-            version,
-            100 * metrics["success_rate"],
-            100 * lo,
-            100 * hi,
-            len(self.items),
-            metrics["reward_mean"],
-            100 * metrics["valid_tool_call_rate"],
-            metrics["turns_mean"],
-            metrics["time_s"],
-        )
+        for name, r in [("held-out", result), *result.extra.items()]:
+            m = r.metrics
+            logger.info(
+                "eval v%d %s: success %.1f%% (95%% CI %.1f-%.1f%%) of %d, reward %.3f, valid "
+                "tool calls %.1f%%, turns %.2f (%.0f s)",
+                version,
+                name,
+                100 * m["success_rate"],
+                100 * m["success_ci_low"],
+                100 * m["success_ci_high"],
+                int(m["n"]),
+                m["reward_mean"],
+                100 * m["valid_tool_call_rate"],
+                m["turns_mean"],
+                m["time_s"],
+            )
         return result
+
+    def _result(
+        self,
+        version: int,
+        step: int,
+        items: list[dict[str, Any]],
+        episodes: list[dict[str, Any]],
+        elapsed: float,
+    ) -> EvalResult:
+        """The evaluation of one held-out set: its items' episodes only."""
+        ids = {_task_id(it) for it in items}
+        mine = [ep for ep in episodes if str(ep.get("task_id")) in ids]
+        metrics, outcomes, rewards = episode_metrics(mine, self.success_reward)
+        metrics["time_s"] = elapsed
+        return EvalResult(version, step, metrics, outcomes, rewards)
 
     def _write(self, result: EvalResult, episodes: list[dict[str, Any]]) -> None:
         root = self.run_dir / EVAL_DIR
@@ -287,17 +356,23 @@ class Evaluator:
                 for old in version_dir.glob("*.jsonl"):
                     old.unlink()
             lines = []
+            rewards, outcomes, set_of = dict(result.rewards), dict(result.outcomes), {}
+            for name, r in result.extra.items():
+                rewards.update(r.rewards)
+                outcomes.update(r.outcomes)
+                set_of.update(dict.fromkeys(r.outcomes, name))
             for ep in episodes:
                 task = str(ep.get("task_id") or "unknown")
                 base = {
                     "task_id": task,
                     "version": result.version,
                     "step": result.step,
+                    "eval_set": set_of.get(task),
                     "accepted": ep.get("accepted"),
                     "reason": ep.get("reason"),
                     "error": ep.get("error"),
-                    "episode_reward": result.rewards.get(task),
-                    "success": result.outcomes.get(task),
+                    "episode_reward": rewards.get(task),
+                    "success": outcomes.get(task),
                 }
                 its = ep.get("interactions") or []
                 if not its:
@@ -310,20 +385,19 @@ class Evaluator:
                             "parent_id": it.get("parent_id"),
                             "prompt": it.get("prompt_text"),
                             "completion": it.get("completion_text"),
-                            "tool_calls": it.get("tool_calls"),
                             "stop_reason": it.get("stop_reason"),
                             "prompt_len": it.get("num_prompt_tokens"),
                             "completion_len": it.get("num_output_tokens"),
+                            "reward": it.get("reward"),
+                            **conversation_fields(it),
                         }
                     )
             dump_records(root, lines)
             version_dir.mkdir(parents=True, exist_ok=True)
             (version_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=1))
             with (self.run_dir / EVAL_LOG).open("a") as f:
-                f.write(
-                    json.dumps({"step": result.step, "version": result.version, **result.metrics})
-                    + "\n"
-                )
+                line = {"step": result.step, "version": result.version, **result.flat_metrics()}
+                f.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop training
             logger.warning("writing the evaluation of version %d failed: %s", result.version, e)
 
@@ -341,10 +415,7 @@ def read_eval_summary(run_dir: str | Path, version: int) -> EvalResult | None:
     path = Path(run_dir) / EVAL_DIR / str(version) / "summary.json"
     if not path.is_file():
         return None
-    d = json.loads(path.read_text())
-    return EvalResult(
-        int(d["version"]), int(d["step"]), d["metrics"], d["outcomes"], d.get("rewards", {})
-    )
+    return EvalResult.from_dict(json.loads(path.read_text()))
 
 
 def truncate_eval_log(run_dir: str | Path, step: int) -> None:
@@ -542,4 +613,14 @@ def format_before_after(before: EvalResult, after: EvalResult) -> str:
         f"success {delta:+.1f} points: {int(cmp['gained'])} problems gained, "
         f"{int(cmp['lost'])} lost; p = {cmp['p_value']:.2g} (exact McNemar test, paired)"
     )
+    for name, b_set in before.extra.items():
+        a_set = after.extra.get(name)
+        if a_set is None:
+            continue
+        c = compare_evaluations(b_set, a_set)
+        lines.append(
+            f"{name} ({int(c['n'])} problems): {100 * c['success_before']:.1f}% -> "
+            f"{100 * c['success_after']:.1f}% ({100 * (c['success_after'] - c['success_before']):+.1f}"
+            f" points): {int(c['gained'])} gained, {int(c['lost'])} lost; p = {c['p_value']:.2g}"
+        )
     return "\n".join(lines)

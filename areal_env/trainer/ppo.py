@@ -53,7 +53,8 @@ from areal_env.trainer.setup import (
     seed_everything,
     start_proxy,
 )
-from areal_env.trainer.stats import Progress
+from areal_env.trainer.stats import Progress, write_run_config
+from areal_env.trainer.token_record import TokenLog
 from areal_env.workflow.batch import collate_groups
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class PPOTrainer:
         self.pusher: WeightPusher | None = None
         self.proxy: ProxyServer | None = None
         self.evaluator: Evaluator | None = None
+        self.token_log: TokenLog | None = None  # rollout.dump_to_file: what each update did
         self._fault = fault_from_env()  # AREAL_ENV_FAULT (hardening tests); None when unset
         self._closed = False
 
@@ -163,6 +165,8 @@ class PPOTrainer:
                 logger.warning("destroying the engine failed: %s", e)
             self.engine = None
         self.books.close()
+        if self.token_log is not None:
+            self.token_log.close()
         if self.dist.distributed:
             from areal_env.trainer.dist import destroy
 
@@ -281,6 +285,12 @@ class PPOTrainer:
             # A passed-in engine may already have moved on; its tokens carry that version.
             self.position.version = engine.get_version()
         self.books.open(self.position.step)
+        write_run_config(self.run_dir, cfg)
+        if cfg.rollout.dump_to_file:  # the token record (areal-env view), written off the loop
+            self.token_log = TokenLog(
+                self.run_dir, cfg.actor, tokenizer=self.tokenizer, keep_step=self.position.step
+            )
+            self._actor.trace = self.token_log.trace
         if self.source is None:
             assert self.data is not None
             self.proxy = start_proxy(cfg, engine, self.tokenizer)
@@ -376,6 +386,8 @@ class PPOTrainer:
             return self._actor.update(tensors, step=step)
 
         ustats = await asyncio.to_thread(update_all_ranks)
+        if self.token_log is not None:
+            self.token_log.commit(step + 1, batch.trainer_version, batch.groups)
         return {
             **ustats,
             "empty_batch": 0.0,
@@ -399,15 +411,15 @@ class PPOTrainer:
         return step == total or bool(freq and step % freq == 0)
 
     async def _evaluate(self) -> dict[str, float]:
-        """Held-out evaluation (greedy, ``is_eval``): ``eval/*`` metrics (see
-        ``areal_env.trainer.eval``)."""
+        """Held-out evaluation (greedy, ``is_eval``): ``eval/*`` metrics, and
+        ``eval/<set>/*`` for each of ``extra_valid_datasets`` (see ``areal_env.trainer.eval``)."""
         assert self.evaluator is not None
         # The update's freed activations are still in the heap: give them back first, or the
         # evaluation's KV cache comes on top of them (the demo's last step, the one with an
         # evaluation, peaked 0.6 GB above the others).
         memory.release_free_memory()
         result = await self.evaluator.evaluate(version=self.version, step=self.step)
-        return {f"eval/{k}": v for k, v in result.metrics.items()}
+        return {f"eval/{k}": v for k, v in result.flat_metrics().items()}
 
     def _save_checkpoint(self) -> Path:
         return self.books.save(self.position, self._actor, self.tokenizer, self.data)

@@ -20,7 +20,7 @@ from areal_env.engine.models import resolve_model_path
 from areal_env.proxy.client import grant_capacity
 from areal_env.proxy.server import ProxyServer
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.data import DataLoader
+from areal_env.trainer.data import DataLoader, load_items
 from areal_env.trainer.dist import SINGLE, DistContext, init_distributed
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.feed import DatasetSource
@@ -150,10 +150,12 @@ def make_evaluator(
     kwargs: dict[str, Any],
     items: list[dict[str, Any]],
 ) -> Evaluator:
-    """An evaluator of workflow ``spec`` on the held-out ``items``: one greedy episode each."""
+    """An evaluator of workflow ``spec`` on the held-out ``items`` (and the config's
+    ``extra_valid_datasets``): one greedy episode each."""
     rollout = dataclasses.replace(config.rollout, n_samples=1)
     addr = {"proxy_base_url": proxy.base_url, "admin_key": proxy.admin_key}
     workflow = resolve_workflow(spec, kwargs, rollout=rollout, **addr)
+    extra = {name: list(load_items(path)) for name, path in config.extra_valid_datasets.items()}
     return Evaluator(
         engine,
         workflow,
@@ -162,5 +164,6 @@ def make_evaluator(
         config.run_dir,
         success_reward=config.trainer.eval_success_reward,
         show_progress=config.trainer.progress,
+        extra_sets=extra,
         **addr,
     )

@@ -8,7 +8,10 @@ Files under ``run_dir`` (= ``fileroot/experiment/trial``):
   the held-out eval curve when there is a ``valid_dataset`` (``eval.jsonl``, see
   ``areal_env.trainer.eval``);
 - ``rollout/{version}/{task_id}.jsonl``: one line per completion of the episodes of that item
-  that ran on weights ``version`` (``rollout.dump_to_file``).
+  that ran on weights ``version`` (``rollout.dump_to_file``);
+- ``tokens/``: the per-step token record of every trained row (``rollout.dump_to_file``; see
+  ``areal_env.trainer.token_record``);
+- ``config.yaml``: the run's configuration, keys and secrets masked (:func:`write_run_config`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +255,69 @@ def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[st
                     "prompt_len": it.get("num_prompt_tokens"),
                     "completion_len": it.get("num_output_tokens"),
                     "versions": it.get("versions"),
+                    **conversation_fields(it),
                 }
             )
     return lines
+
+
+def conversation_fields(interaction: dict[str, Any]) -> dict[str, Any]:
+    """What a dump line keeps of an interaction's structure, beyond its text: whether it was
+    spliced onto its parent's tokens, the messages it added to the parent's conversation (tool
+    results, user turns), the assistant message it produced (parsed tool calls included) and
+    its tool calls' validity. ``areal-env view`` draws the conversation tree from these."""
+    return {
+        "spliced": interaction.get("spliced"),
+        "messages": interaction.get("messages"),
+        "output": interaction.get("output_message"),
+        "tool_calls": interaction.get("tool_calls"),
+        "valid_tool_calls": interaction.get("valid_tool_calls"),
+        "tool_parse_error": interaction.get("tool_parse_error"),
+    }
+
+
+_SECRET_NAME = re.compile(r"(^|_)(key|keys|secret|secrets|password|token|credentials)$")
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]+:)[^@\s]+@", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(value: Any, name: str = "") -> Any:
+    """``value`` with secrets masked: fields named like keys, tokens or passwords (``admin_key``,
+    ``api_keys``, ...) and passwords inside URLs (``postgresql://user:***@host``)."""
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
+    if _SECRET_NAME.search(name.lower()) and value not in (None, "", [], {}):
+        return [MASK] * len(value) if isinstance(value, list) else MASK
+    if isinstance(value, list | tuple):
+        return [mask_secrets(v) for v in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: m.group("head") + MASK + "@", value)
+    return value
+
+
+def write_run_config(run_dir: str | os.PathLike[str], config: Any) -> Path:
+    """``run_dir/config.yaml``: the configuration the run started with (a dataclass), secrets
+    masked. The run folder then says how it was made (``areal-env view`` shows it)."""
+    import dataclasses
+
+    import yaml
+
+    is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
+    data = dataclasses.asdict(config) if is_instance else dict(config)
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".config.yaml.tmp")
+    tmp.write_text(yaml.safe_dump(mask_secrets(_plain(data)), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """YAML-safe values: paths and other objects as strings."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

@@ -78,3 +78,42 @@ def test_stream_text_tool_calls_and_usage(scripted_proxy, engine):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the tool-call text itself never leaks into the content deltas
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_n_choices_are_branches_of_the_session_tree(scripted_proxy, engine):
+    """``n=3``: three choices in one answer, each recorded as its own interaction on the same
+    parent (a branch of the session's tree), completion tokens summed in the usage."""
+    engine.push("Red.", "Green, like grass.", "Blue.")
+    sid, key = open_session(scripted_proxy)
+    r = _client(scripted_proxy, key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Name a colour."}], n=3, seed=5
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert sorted(c.message.content for c in r.choices) == ["Blue.", "Green, like grass.", "Red."]
+    exported = export_session(scripted_proxy, sid)
+    its = exported["interactions"]
+    assert len(its) == 3 and len(exported["trajectories"]) == 3
+    assert len({it["id"] for it in its}) == 3
+    assert r.usage.completion_tokens == sum(it["num_output_tokens"] for it in its)
+
+
+def test_responses_object_echoes_store_reasoning_and_text(scripted_proxy, engine):
+    engine.push('{"a": 1}')
+    _, key = open_session(scripted_proxy)
+    fmt = {
+        "type": "json_schema",
+        "name": "A",
+        "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        "strict": True,
+    }
+    r = _client(scripted_proxy, key).responses.create(
+        model="m",
+        input="Give a.",
+        store=False,
+        reasoning={"effort": "low"},
+        text={"format": fmt, "verbosity": "low"},
+    )
+    assert r.store is False and r.reasoning.effort == "low"
+    assert r.text.format.type == "json_schema" and r.text.format.name == "A"
+    assert r.text.verbosity == "low"
+    assert r.output_text == '{"a": 1}'

@@ -5,6 +5,7 @@ No model: the proxy runs on a ``ScriptedEngine`` with the real tokenizer."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -71,7 +72,37 @@ def key(proxy_server):
             },
             "messages[0].content",
         ),
-        ({"model": "m", "messages": MSGS, "n": 2}, "n"),
+        ({"model": "m", "messages": MSGS, "n": 2, "stream": True}, "n"),
+        ({"model": "m", "messages": MSGS, "n": 17}, "n"),
+        ({"model": "m", "messages": MSGS, "response_format": {"type": "xml"}}, "response_format"),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                },
+            },
+            "response_format",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {"type": "object", "if": {"required": ["a"]}},
+                        },
+                    }
+                ],
+            },
+            "tools[0].function.parameters",
+        ),
         ({"model": "m", "messages": MSGS, "temperature": "hot"}, "temperature"),
         ({"model": "m", "messages": MSGS, "temperature": 7}, "temperature"),
         ({"model": "m", "messages": MSGS, "top_p": 2}, "top_p"),
@@ -346,15 +377,30 @@ def test_rl_endpoint_errors_and_isolation(http, proxy_server):
     )
 
 
-def test_prompt_over_context_is_413(http, key, proxy_server):
-    huge = "hello " * (proxy_server.state.max_context_len + 10)
+def test_prompt_over_context_is_a_400_in_each_protocols_words(http, key, proxy_server):
+    """Frameworks key on these: OpenAI's ``context_length_exceeded`` (with its message form)
+    and Anthropic's "prompt is too long: M tokens > N maximum" (what Claude-Code-style clients
+    compact on). 413 is for bodies over the size limit only."""
+    limit = proxy_server.state.max_context_len
+    huge = "hello " * (limit + 10)
+    for route in (CHAT,):
+        err = _openai_error(
+            http.post(
+                route,
+                json={"model": "m", "messages": [{"role": "user", "content": huge}]},
+                headers=_auth(key),
+            ),
+            400,
+        )
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+        m = re.fullmatch(
+            r"This model's maximum context length is (\d+) tokens\. However, your messages "
+            r"resulted in (\d+) tokens\. Please reduce the length of the messages\.",
+            err["message"],
+        )
+        assert m and int(m.group(1)) == limit and int(m.group(2)) > limit, err["message"]
     err = _openai_error(
-        http.post(
-            CHAT,
-            json={"model": "m", "messages": [{"role": "user", "content": huge}]},
-            headers=_auth(key),
-        ),
-        413,
+        http.post("/v1/responses", json={"model": "m", "input": huge}, headers=_auth(key)), 400
     )
     assert err["code"] == "context_length_exceeded"
     e = _anthropic_error(
@@ -363,9 +409,11 @@ def test_prompt_over_context_is_413(http, key, proxy_server):
             json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": huge}]},
             headers={"x-api-key": key},
         ),
-        413,
+        400,
     )
-    assert e["type"] == "request_too_large"
+    assert e["type"] == "invalid_request_error"
+    m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", e["message"])
+    assert m and int(m.group(2)) == limit and int(m.group(1)) > limit, e["message"]
 
 
 def test_capacity_and_session_limits(tokenizer):

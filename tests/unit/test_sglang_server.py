@@ -32,6 +32,26 @@ def test_sampling_params_translation():
         gconfig_from_sampling_params({"top_p": 0})
 
 
+def test_structured_output_params_both_directions():
+    """A constraint travels as SGLang's own structured-output params (json_schema, regex,
+    ebnf: a Lark grammar marked for SGLang's llguidance backend) and comes back unchanged, so
+    ``areal-env serve`` decodes what SGLangEngine sends under the same constraint."""
+    from areal_env.api.io import Constraint, GenerationConfig
+    from areal_env.engine.sglang_wire import sampling_params_from_gconfig
+
+    for kind, param in (("json_schema", "json_schema"), ("regex", "regex"), ("grammar", "ebnf")):
+        value = '{"type": "object"}' if kind == "json_schema" else "start: /[0-9]+/"
+        g = GenerationConfig(constraint=Constraint(kind, value), top_logprobs=2)  # type: ignore[arg-type]
+        sp = sampling_params_from_gconfig(g)
+        assert param in sp and sp[param].endswith(value)
+        if kind == "grammar":
+            assert sp[param].startswith("%llguidance {}")
+        back = gconfig_from_sampling_params(sp)
+        assert back.constraint is not None and back.constraint.kind == kind
+    with pytest.raises(BadRequest, match="only one"):
+        gconfig_from_sampling_params({"json_schema": "{}", "regex": "a"})
+
+
 async def test_generate_shapes(base, tokenizer):
     ids = tokenizer.encode("The capital of France is")
     async with httpx.AsyncClient(trust_env=False, timeout=120) as c:

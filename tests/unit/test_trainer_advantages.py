@@ -77,3 +77,18 @@ def test_reward_shaping_and_token_broadcast():
     assert float(vals.mean()) == pytest.approx(0.0, abs=1e-6)
     assert float(vals.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
     assert normed[~loss_mask.bool()].abs().sum() == 0
+
+
+def test_groups_without_signal_get_zero_advantage_even_when_their_rows_differ():
+    """Discounted completions of one trajectory differ while the group's scores do not: their
+    spread divided by a std of 0 gave advantages of 1e5 (and grad norms of 1e6)."""
+    # group 0: one trajectory of three discounted completions; group 1: two trajectories with
+    # the same score, each of two discounted completions; group 2 has signal.
+    rewards = _t([0.81, 0.9, 1.0, 0.9, 1.0, 0.9, 1.0, 1.0, 0.0])
+    gids = _t([0, 0, 0, 1, 1, 1, 1, 2, 2], torch.int64)
+    tids = _t([0, 0, 0, 1, 1, 2, 2, 3, 4], torch.int64)
+    adv, st = group_advantages(rewards, gids, tids)
+    assert adv[:7].tolist() == [0.0] * 7
+    assert adv[7:].tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-5)
+    assert st.zero_variance_groups == 2
+    assert float(adv.abs().max()) < 1.0

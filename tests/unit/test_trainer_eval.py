@@ -135,3 +135,33 @@ def test_format_before_after_table():
     text = format_before_after(EvalResult(0, 0, mb, ob, rb), EvalResult(8, 8, ma, oa, ra))
     assert "15.6%" in text and "46.9%" in text and "+31.2 points" in text
     assert "20 problems gained, 0 lost" in text and "McNemar" in text
+
+
+def test_extra_held_out_sets_are_reported_apart(tmp_path):
+    from areal_env.trainer.eval import EvalResult, format_before_after, read_eval_summary
+
+    def result(version, main_ok, new_ok):
+        mb, ob, rb = episode_metrics(
+            [{"task_id": f"v{i}", "accepted": True, "reward": float(ok)} for i, ok in main_ok]
+        )
+        me, oe, re_ = episode_metrics(
+            [{"task_id": f"n{i}", "accepted": True, "reward": float(ok)} for i, ok in new_ok]
+        )
+        r = EvalResult(
+            version, version, mb, ob, rb, {"new": EvalResult(version, version, me, oe, re_)}
+        )
+        return r
+
+    before = result(0, [(i, i < 2) for i in range(10)], [(i, False) for i in range(8)])
+    after = result(5, [(i, i < 8) for i in range(10)], [(i, i < 3) for i in range(8)])
+    assert after.flat_metrics()["new/success_rate"] == 3 / 8
+    assert after.flat_metrics()["success_rate"] == 0.8
+    text = format_before_after(before, after)
+    assert "+60.0 points" in text  # the held-out set
+    assert "new (8 problems): 0.0% -> 37.5% (+37.5 points): 3 gained, 0 lost" in text
+    # the summary round-trips with its extra sets
+    folder = tmp_path / "eval-rollout" / "5"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(after.to_dict()))
+    back = read_eval_summary(tmp_path, 5)
+    assert back is not None and back.extra["new"].outcomes == after.extra["new"].outcomes

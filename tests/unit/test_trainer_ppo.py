@@ -362,6 +362,16 @@ def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
         ).read_text()
     )
     assert state["redraws_used"] == 1
+    # the token record (areal-env view): one part per update, the redrawn batch's too; the
+    # skipped updates' rows carry no trainer logprob, the update's do
+    index = {
+        p.name: json.loads(p.read_text())
+        for p in (Path(final["metrics_file"]).parent / "tokens").glob("step-*.json")
+    }
+    assert sorted(index) == ["step-000001-0.json", "step-000001-1.json", "step-000002-0.json"]
+    assert {r["gap"] for s in index["step-000001-1.json"]["sessions"] for r in s["rows"]} == {None}
+    step2 = [r for s in index["step-000002-0.json"]["sessions"] for r in s["rows"]]
+    assert len(step2) == 4 and all(r["gap"] is not None and r["row_id"] for r in step2)
 
 
 def test_redraw_budget_must_not_be_negative():

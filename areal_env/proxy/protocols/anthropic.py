@@ -110,7 +110,11 @@ def convert_tools(raw: Any) -> list[dict[str, Any]] | None:
             )
         tools.append(
             common.validate_function_tool(
-                t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"
+                t.get("name"),
+                t.get("description"),
+                t.get("input_schema"),
+                f"tools.{i}",
+                t.get("strict"),
             )
         )
     return tools or None
@@ -144,6 +148,7 @@ def parse_request(body: Any) -> CompletionRequest:
     tools = convert_tools(body.get("tools"))
     model = body.get("model")
     return CompletionRequest(
+        output_format=_output_format(body),
         messages=convert_messages(body.get("system"), body.get("messages")),
         tools=tools,
         tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
@@ -155,6 +160,26 @@ def parse_request(body: Any) -> CompletionRequest:
         stream=bool(common.opt_bool(body, "stream")),
         model=model if isinstance(model, str) else None,
     )
+
+
+def _output_format(body: dict[str, Any]) -> common.OutputFormat | None:
+    """Structured outputs: ``output_config.format`` (the messages API) or the beta's top-level
+    ``output_format``, ``{"type": "json_schema", "schema": {...}}``."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise common.bad_request("output_config: must be an object", "output_config")
+    raw, param = (config or {}).get("format"), "output_config.format"
+    if raw is None:
+        raw, param = body.get("output_format"), "output_format"
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "json_schema":
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        raise common.bad_request(f"{param}.type: must be json_schema, got {kind!r}", param)
+    schema = raw.get("schema")
+    if not isinstance(schema, dict):
+        raise common.bad_request(f"{param}.schema: must be a JSON schema object", param)
+    return common.OutputFormat(schema, param, strict=True, echo=raw)
 
 
 def stop_reason(finish_reason: str, stop_hit: str | None) -> str:

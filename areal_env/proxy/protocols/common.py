@@ -24,6 +24,54 @@ DEFAULT_TOOL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 
 
 @dataclass
+class OutputFormat:
+    """A structured-output request: the reply must be JSON (matching ``schema`` when given).
+
+    ``param`` is where the request said so (``response_format``, ``text.format``,
+    ``output_config.format``): errors about it name it. ``echo`` is the format as the client sent
+    it (the Responses object repeats it)."""
+
+    schema: dict[str, Any] | None
+    param: str
+    name: str | None = None
+    strict: bool = False
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def openai_output_format(raw: Any, param: str, nested: bool) -> OutputFormat | None:
+    """OpenAI's ``response_format`` (``nested``: the schema under ``json_schema``) or the
+    Responses API's ``text.format`` (flat): text, json_object or json_schema; 400 otherwise."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad_request(f"'{param}' must be an object with a 'type'", param)
+    kind = raw.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat({"type": "object"}, param, echo=raw)
+    if kind != "json_schema":
+        raise bad_request(
+            f"'{param}.type' must be text, json_object or json_schema; got {kind!r}", param
+        )
+    spec = raw.get("json_schema") if nested else raw
+    where = f"{param}.json_schema" if nested else param
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{where}' must be an object with a 'schema'", param)
+    schema = spec.get("schema", {"type": "object"} if nested else None)
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}.schema' must be a JSON schema object", param)
+    name = spec.get("name")
+    return OutputFormat(
+        schema,
+        param,
+        name=name if isinstance(name, str) else None,
+        strict=bool(spec.get("strict")),
+        echo=raw,
+    )
+
+
+@dataclass
 class CompletionRequest:
     """A generation request in internal (OpenAI chat) form, whatever protocol it came in."""
 
@@ -41,6 +89,10 @@ class CompletionRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     model: str | None = None
+    n: int = 1
+    """Choices to generate (OpenAI's ``n``): each its own branch of the session's tree."""
+    output_format: OutputFormat | None = None
+    """The reply must be JSON (matching a schema): constrained decoding."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -68,6 +120,8 @@ class Answer:
     """OpenAI logprob entries, when the request asked for them."""
     interaction: Any = None
     """The recorded :class:`~areal_env.proxy.cache.Interaction`."""
+    alternatives: list[Answer] = field(default_factory=list)
+    """The other choices of a request with ``n > 1`` (choice 1, 2, ...)."""
 
 
 class StreamWriter(Protocol):
@@ -190,17 +244,25 @@ def arguments_string(args: Any, param: str) -> str:
     raise bad_request(f"'{param}' must be a JSON string or object", param)
 
 
-def validate_function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict:
+def validate_function_tool(
+    name: Any, description: Any, parameters: Any, param: str, strict: Any = None
+) -> dict:
+    """A function tool in the internal form; ``strict``: its arguments must match
+    ``parameters`` (constrained decoding)."""
     if not isinstance(name, str) or not name:
         raise bad_request(f"'{param}.name' must be a non-empty string", f"{param}.name")
     if parameters is not None and not isinstance(parameters, dict):
         raise bad_request(f"'{param}.parameters' must be a JSON schema object", param)
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"'{param}.strict' must be a boolean", f"{param}.strict")
     fn: dict[str, Any] = {"name": name}
     if isinstance(description, str) and description:
         fn["description"] = description
     fn["parameters"] = (
         parameters if parameters is not None else {"type": "object", "properties": {}}
     )
+    if strict:
+        fn["strict"] = True
     return {"type": "function", "function": fn}
 
 
@@ -266,16 +328,26 @@ class TokenTexts:
                 self._cache[token_id] = s
         return s
 
-    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    def logprob_entries(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """OpenAI's logprob entries; ``tops[i]``: token ``i``'s most likely alternatives."""
         out = []
-        for tid, lp in zip(ids, logprobs, strict=False):
+        for i, (tid, lp) in enumerate(zip(ids, logprobs, strict=False)):
             s = self(tid)
+            top = []
+            for alt, alt_lp in tops[i] if tops is not None else ():
+                a = self(alt)
+                top.append({"token": a, "logprob": float(alt_lp), "bytes": list(a.encode())})
             out.append(
                 {
                     "token": s,
                     "logprob": float(lp),
                     "bytes": list(s.encode("utf-8")),
-                    "top_logprobs": [],
+                    "top_logprobs": top,
                 }
             )
         return out

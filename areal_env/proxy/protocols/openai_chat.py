@@ -17,6 +17,8 @@ from areal_env.proxy.protocols import common
 from areal_env.proxy.protocols.common import Answer, CompletionRequest, WireProtocol, sse
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+MAX_CHOICES = 16
+"""Most choices (``n``) one request may ask for."""
 
 
 def _content(content: Any, param: str | Callable[[], str], *, allow_none: bool) -> str | None:
@@ -137,7 +139,7 @@ def _convert_tool(t: Any, p: str) -> dict[str, Any]:
         )
     fn = t["function"]
     return common.validate_function_tool(
-        fn.get("name"), fn.get("description"), fn.get("parameters"), p
+        fn.get("name"), fn.get("description"), fn.get("parameters"), p, fn.get("strict")
     )
 
 
@@ -153,13 +155,15 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
 
 def parse_request(body: Any) -> CompletionRequest:
     body = common.require_object(body)
-    n = common.opt_int(body, "n", 1)
-    if n not in (None, 1):
-        raise common.bad_request(
-            "only n=1 is supported; send several requests for several samples", "n"
-        )
+    n = common.opt_int(body, "n", 1, MAX_CHOICES) or 1
     tools = convert_tools(body.get("tools"))
     stream = bool(common.opt_bool(body, "stream"))
+    if stream and n > 1:
+        raise common.bad_request(
+            "n > 1 is answered without streaming only: send stream: false, or one request "
+            "per choice",
+            "n",
+        )
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise common.bad_request("'stream_options' must be an object", "stream_options")
@@ -185,6 +189,10 @@ def parse_request(body: Any) -> CompletionRequest:
         logprobs=logprobs,
         top_logprobs=top,
         model=model if isinstance(model, str) else None,
+        n=n,
+        output_format=common.openai_output_format(
+            body.get("response_format"), "response_format", nested=True
+        ),
     )
 
 
@@ -196,26 +204,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def build_response(answer: Answer) -> dict[str, Any]:
+def _choice(answer: Answer, index: int) -> dict[str, Any]:
     message = answer.message
     msg = {"role": "assistant", "content": message.get("content"), "refusal": None}
     if message.get("tool_calls"):
         msg["tool_calls"] = message["tool_calls"]
     lp = answer.logprobs
     return {
+        "index": index,
+        "message": msg,
+        "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
+        "finish_reason": answer.finish_reason,
+    }
+
+
+def build_response(answer: Answer) -> dict[str, Any]:
+    answers = [answer, *answer.alternatives]
+    return {
         "id": answer.id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": answer.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": msg,
-                "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
-                "finish_reason": answer.finish_reason,
-            }
-        ],
-        "usage": usage(answer.prompt_tokens, answer.completion_tokens),
+        "choices": [_choice(a, i) for i, a in enumerate(answers)],
+        "usage": usage(answer.prompt_tokens, sum(a.completion_tokens for a in answers)),
         "system_fingerprint": None,
     }
 

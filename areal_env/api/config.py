@@ -49,7 +49,10 @@ class ModelConfig:
     path: str = path_field("model", default="smollm2-135m-instruct")
     """A known model name (see ``areal_env.engine.models``) or a local HF folder."""
     dtype: str = "auto"
-    """auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16."""
+    """The compute dtype: auto (fp32 on CPU, where bf16 is ~4x slower; bf16 on GPU) | float32 |
+    bfloat16 | float16. The trainer computes in it (autocast, or FSDP2's mixed-precision
+    policy) over fp32 master weights and optimizer states, and hands the inference engine its
+    weights cast to it; the embedded engine serves in it."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     cache_dir: str | None = path_field("dir", default=None)
@@ -291,7 +294,8 @@ class ActorConfig:
     ranks (gloo on CPU, NCCL on GPU; run under torchrun: see docs/scaling.md)."""
     fsdp_cpu_offload: bool = False
     """With strategy fsdp: keep sharded parameters, gradients and optimizer states in host
-    memory (fits bigger models, slower steps)."""
+    memory; the optimizer steps on the CPU. A 7B full fine-tune then needs ~10 GB of GPU memory
+    instead of ~127 GB, so it fits one 80 GB GPU (computed: docs/scaling.md); slower steps."""
     lora: LoraConfig | None = None
     """LoRA adapters, e.g. {r: 16, alpha: 32}; None = full fine-tuning."""
 
@@ -357,6 +361,20 @@ class ActorConfig:
     """Pack rows sharing token prefixes (GRPO groups, multi-turn) into a token trie, computed once
     with a tree attention mask. auto = when it saves at least a quarter of the tokens. Works with
     strategy fsdp (each rank packs its share of the rows) and LoRA."""
+    tree_attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """The attention kernel of tree training. flex = PyTorch's FlexAttention with a block mask
+    built from the trie (only the blocks holding ancestors are computed; compiled once per
+    shape bucket; CUDA only: its backward is not implemented on the CPU); sdpa = the
+    trunk/segment sdpa path (any device). auto = flex on CUDA, sdpa elsewhere."""
+    logprob_chunk_tokens: int = 1024
+    """Token positions per chunk of the LM head + log-softmax: the [tokens, vocab] logits are
+    never materialised in full (recomputed chunk by chunk in the backward pass). 0 = one chunk."""
+    lossy_low_precision_weights: bool = False
+    """Keep the trained weights and AdamW states in ``model.dtype`` (bf16/fp16) instead of fp32:
+    8 instead of 16 bytes per parameter, but every update smaller than half a ulp of its weight
+    is rounded away (a bf16 ulp is ~0.4-0.8 % of the weight): at RL learning rates (1e-7 to
+    1e-5) almost no weight moves (measured: 0.3 % changed by an lr 1e-6 step, 99.8 % in fp32).
+    No effect when model.dtype resolves to float32."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -381,6 +399,15 @@ class ActorConfig:
             )
         if self.micro_batch_tokens < 1:
             raise ConfigError(f"actor.micro_batch_tokens={self.micro_batch_tokens!r} must be >= 1")
+        if self.tree_attention not in ("auto", "flex", "sdpa"):
+            raise ConfigError(
+                f"actor.tree_attention={self.tree_attention!r} must be one of auto, flex, sdpa"
+            )
+        if self.logprob_chunk_tokens < 0:
+            raise ConfigError(
+                f"actor.logprob_chunk_tokens={self.logprob_chunk_tokens!r} must be >= 0 "
+                "(0 = the whole micro-batch in one chunk)"
+            )
 
 
 @dataclass

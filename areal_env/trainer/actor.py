@@ -20,29 +20,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import record_function
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer import memory
 from areal_env.trainer.actor_lora import (
-    _enable_checkpointing,
-    _set_gradient_sync,
     apply_lora,
+    enable_checkpointing,
     merged_lora_state_dict,
+    set_gradient_sync,
 )
 from areal_env.trainer.actor_math import (
     MicroBatchPlan,
     PreparedBatch,
     UpdateTally,
-    _first_token_mask,
-    _plain_head,
-    _row_lengths,
-    _single_temperature,
+    first_token_mask,
+    has_plain_head,
     install_scored_forward,
     optimizer_steps_taken,
     ppo_token_loss,
     resolve_device,
     resolve_dtype,
+    row_lengths,
     scored_mask,
+    single_temperature,
     summarize_update,
     token_logprobs,
     warmup_lr,
@@ -66,14 +67,15 @@ from areal_env.trainer.dist import (
     split_rows,
     to_local_float,
 )
+from areal_env.trainer.precision import Precision
 from areal_env.trainer.tree import (
-    enable_tree_attention,
     pack_rows,
     packed_size,
     tree_micro_batches,
     tree_supported,
     tree_token_logprobs,
 )
+from areal_env.trainer.tree_attention import enable_tree_attention, flex_probe, tree_kernel
 
 if TYPE_CHECKING:
     from areal_env.trainer.token_record import UpdateTrace
@@ -105,19 +107,26 @@ class PPOActor:
             self.device = self.dist.device
         else:
             self.device = resolve_device(self.model_cfg.device)
-        self.dtype = resolve_dtype(self.model_cfg.dtype, self.device)
-        # FSDP keeps fp32 master weights and computes in bf16 on GPU (mixed precision).
-        self.mixed_precision = actor.strategy == "fsdp" and self.dtype != torch.float32
+        # fp32 master weights and optimiser states, compute in model.dtype (precision.py)
+        self.precision = Precision(
+            resolve_dtype(self.model_cfg.dtype, self.device),
+            self.device,
+            strategy=actor.strategy,
+            lossy=actor.lossy_low_precision_weights,
+        )
+        self.tree_kernel = tree_kernel(actor.tree_attention, self.device)
         self.model_path = model_path
         self.model: Any = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
+        if self.tree_kernel == "flex" and actor.tree_training != "off":
+            self._check_flex()
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
             )
         if actor.tree_training != "off" and not self.tree_unsupported:
-            # trunk/segment tree attention instead of the dense N^2 mask (tree.py); every call
-            # without a packed tree runs plain sdpa
+            # tree attention kernels instead of the dense N^2 mask (tree_attention.py); every
+            # call without a packed tree runs plain sdpa
             base = getattr(self.model, "get_base_model", None)  # a LoRA (peft) wrapper
             enable_tree_attention(base() if callable(base) else self.model)
         self.ref_model = None
@@ -148,27 +157,56 @@ class PPOActor:
         """The token record's hook (``rollout.dump_to_file``, rank 0): sees each update's
         prepared batch and every micro-batch's logprobs and clip flags. Never changes them."""
 
+    def _check_flex(self) -> None:
+        """Compile and run FlexAttention once for this model's heads; with ``tree_attention:
+        auto`` a failure falls back to the sdpa kernels (with a warning), with ``flex`` it is
+        an error."""
+        cfg = self.model.config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        why = flex_probe(self.device, heads, kv_heads, head_dim, self.precision.compute)
+        if why is None:
+            return
+        if self.cfg.tree_attention == "flex":
+            raise RuntimeError(
+                f"actor.tree_attention=flex, but FlexAttention fails on {self.device}: {why}; "
+                "set actor.tree_attention=auto or sdpa"
+            )
+        logger.warning("FlexAttention fails here (%s): tree attention runs on sdpa", why)
+        self.tree_kernel = "sdpa"
+
     def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
         from transformers import AutoModelForCausalLM
 
-        load_dtype = torch.float32 if self.mixed_precision else self.dtype
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
+        lora = trainable and self.cfg.lora is not None
+        # frozen weights need no fp32 master copy: the reference model, and the base under LoRA
+        # adapters in one process (FSDP2 shards one dtype per layer: there the base stays fp32)
+        frozen = not trainable or (lora and self.cfg.strategy == "single")
+        offload = self.cfg.fsdp_cpu_offload and self.cfg.strategy == "fsdp"
+        # straight onto the GPU (a 7B model's fp32 copy never passes through host memory)
+        where = (
+            {"device_map": str(self.device)} if self.device.type == "cuda" and not offload else {}
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.precision.load_dtype(frozen=frozen), **where
+        )
         model.config.use_cache = False
         if trainable and self.cfg.lora is not None:
-            model = apply_lora(model, self.cfg.lora)
-        if not self.cfg.fsdp_cpu_offload or self.cfg.strategy != "fsdp":
+            model = apply_lora(model, self.cfg.lora, fp32_adapters=not self.precision.lossy)
+        if not offload:
             model = model.to(self.device)
         if trainable:
             if self.model_cfg.gradient_checkpointing:
-                _enable_checkpointing(model)
+                enable_checkpointing(model)
             model.train()
         else:
             model.eval().requires_grad_(False)
         if self.cfg.strategy == "fsdp":
             shard_model(
                 model,
-                mixed_precision=self.mixed_precision,
+                param_dtype=self.precision.fsdp_param_dtype,
                 cpu_offload=self.cfg.fsdp_cpu_offload,
             )
             install_scored_forward(model)
@@ -186,28 +224,33 @@ class PPOActor:
         input_ids = batch["input_ids"].to(self.device)
         attn = batch["attention_mask"].to(self.device).bool()
         mask = scored_mask(batch).to(self.device)
-        lengths = _row_lengths(attn)
+        lengths = row_lengths(attn)
         temps = self.row_temperatures(batch)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)
         rows = list(range(len(lengths)))
         groups, tree, _ = self.rank_micro_batches(batch["input_ids"], lengths, rows)
         for mb in groups:
             if mb is None:  # this rank has no rows left: keep the collectives in step
-                token_logprobs(
-                    model, input_ids[:1, :2], attn[:1, :2], _first_token_mask(2).to(self.device)
-                )
+                with self.precision.context():
+                    token_logprobs(
+                        model, input_ids[:1, :2], attn[:1, :2], first_token_mask(2).to(self.device)
+                    )
                 continue
             idx = torch.tensor(mb, device=self.device)
             width = max(lengths[r] for r in mb)
             m = mask[idx, :width]
             if not m.any() and not self.dist.distributed:
                 continue
-            t_one = _single_temperature(temps, mb, mask, self.temperature)
-            if tree and t_one is not None:
-                lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb, temperature=t_one)
-            else:  # flat, or a tree group whose rows were sampled at different temperatures
-                t = temps[idx.cpu(), :width] if isinstance(temps, torch.Tensor) else temps
-                lp, _ = token_logprobs(model, input_ids[idx, :width], attn[idx, :width], m, t)
+            t_one = single_temperature(temps, mb, mask, self.temperature)
+            with self.precision.context():
+                if tree and t_one is not None:
+                    lp, _ = self._tree_logprobs(model, input_ids, mask, lengths, mb, t_one)
+                else:  # flat, or a tree group whose rows were sampled at different temperatures
+                    t = temps[idx.cpu(), :width] if isinstance(temps, torch.Tensor) else temps
+                    ids, am = input_ids[idx, :width], attn[idx, :width]
+                    lp, _ = token_logprobs(
+                        model, ids, am, m, t, chunk=self.cfg.logprob_chunk_tokens
+                    )
             sub = torch.zeros(m.shape, dtype=torch.float32, device=self.device)
             sub[m] = lp.float()
             out[idx, :width] = sub
@@ -273,22 +316,25 @@ class PPOActor:
         mask: torch.Tensor,
         lengths: list[int],
         rows: list[int],
+        temperature: float,
         *,
-        temperature: float | None = None,
         with_entropy: bool = False,
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        seqs = [input_ids[r, : lengths[r]] for r in rows]
-        tree = pack_rows([s.tolist() for s in seqs])
+        with record_function("tree/pack"):
+            seqs = [input_ids[r, : lengths[r]] for r in rows]
+            tree = pack_rows([s.tolist() for s in seqs])
         return tree_token_logprobs(
             model,
             tree,
             [mask[r, : lengths[r]] for r in rows],
             seqs,
-            self.temperature if temperature is None else temperature,
-            plain_head=_plain_head(model),
+            temperature,
+            plain_head=has_plain_head(model),
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            kernel=self.tree_kernel,
+            chunk=self.cfg.logprob_chunk_tokens,
         )
 
     def row_temperatures(self, batch: dict[str, Any]) -> torch.Tensor | float:
@@ -363,7 +409,7 @@ class PPOActor:
             input_ids=batch["input_ids"].long(),
             attention_mask=attn,
             mask=mask,
-            lengths=_row_lengths(attn),
+            lengths=row_lengths(attn),
             adv=adv,
             behav_logp=behav,
             old_logp=old,
@@ -426,35 +472,37 @@ class PPOActor:
                 tally.packed_tokens += computed
                 tally.tree_used = tally.tree_used or tree
                 for i, micro in enumerate(micros):
-                    _set_gradient_sync(self.model, i == len(micros) - 1)
+                    set_gradient_sync(self.model, i == len(micros) - 1)
                     if micro is None:  # padding: same passes on every rank, zero gradient
                         loss_sum, _ = self._micro_loss(pb, mb_rows[:1], force=True)
-                        (loss_sum * 0.0).backward()
+                        self.precision.backward(loss_sum * 0.0)
                         continue
                     loss_sum, diag = self._micro_loss(
                         pb, micro, tree=tree, force=self.dist.distributed
                     )
                     tally.local_rows += len(micro)
-                    (loss_sum * scale).backward()
+                    self.precision.backward(loss_sum * scale)
                     mb_loss += float(loss_sum.detach()) / mb_tokens
                     tally.note_micro(diag, first_minibatch=first_mb)
                     for k, v in diag.items():
                         sums[k] = sums.get(k, 0.0) + v
                 mb_loss = all_reduce_sums({"loss": mb_loss}, self.dist)["loss"]
+                self.precision.unscale(self.optimizer)
                 gnorm = torch.nn.utils.clip_grad_norm_(
                     [p for p in self.model.parameters() if p.requires_grad], a.max_grad_norm
                 )
                 gnorm_f = to_local_float(gnorm)
                 if not math.isfinite(gnorm_f):
                     tally.skipped_nonfinite += 1
-                    logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
+                    if not self.precision.skip_step():  # (an fp16 overflow lowers the scale)
+                        logger.warning("non-finite grad norm (%s): optimiser step skipped", gnorm_f)
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 if a.lr_warmup_steps > 0:  # otherwise the optimiser's own lr stands
                     lr = warmup_lr(a.lr, optimizer_steps_taken(self.optimizer), a.lr_warmup_steps)
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
-                self.optimizer.step()
+                self.precision.step(self.optimizer)
                 tally.grad_norms.append(gnorm_f)
                 tally.losses.append(mb_loss)
                 tally.trained_tokens += sum(pb.lengths[r] for r in mb_rows)
@@ -472,41 +520,43 @@ class PPOActor:
         width = max(pb.lengths[r] for r in rows)
         idx = torch.tensor(rows)
         m = pb.mask[idx, :width]
+        dev = self.device
         if not m.any():
             if not force:
                 return torch.zeros((), requires_grad=True), {}
-            m = _first_token_mask(width).expand(len(rows), -1)
-            logp, _ = token_logprobs(
-                self.model,
-                pb.input_ids[idx, :width].to(self.device),
-                pb.attention_mask[idx, :width].to(self.device),
-                m.to(self.device),
-                self.temperature,
-            )
+            with self.precision.context():
+                logp, _ = token_logprobs(
+                    self.model,
+                    pb.input_ids[idx, :width].to(dev),
+                    pb.attention_mask[idx, :width].to(dev),
+                    first_token_mask(width).expand(len(rows), -1).to(dev),
+                    self.temperature,
+                )
             return logp.sum() * 0.0, {}
-        dev = self.device
-        t_one = _single_temperature(pb.temps, rows, pb.mask, self.temperature)
-        if tree and t_one is not None:
-            logp, ent = self._tree_logprobs(
-                self.model,
-                pb.input_ids,
-                pb.mask,
-                pb.lengths,
-                rows,
-                temperature=t_one,
-                with_entropy=True,
-                entropy_grad=a.entropy_coef != 0,
-            )
-        else:
-            logp, ent = token_logprobs(
-                self.model,
-                pb.input_ids[idx, :width].to(dev),
-                pb.attention_mask[idx, :width].to(dev),
-                m.to(dev),
-                pb.temps[idx, :width] if isinstance(pb.temps, torch.Tensor) else pb.temps,
-                with_entropy=True,
-                entropy_grad=a.entropy_coef != 0,
-            )
+        t_one = single_temperature(pb.temps, rows, pb.mask, self.temperature)
+        with self.precision.context(), record_function("actor/forward"):
+            if tree and t_one is not None:
+                logp, ent = self._tree_logprobs(
+                    self.model,
+                    pb.input_ids,
+                    pb.mask,
+                    pb.lengths,
+                    rows,
+                    t_one,
+                    with_entropy=True,
+                    entropy_grad=a.entropy_coef != 0,
+                )
+            else:
+                logp, ent = token_logprobs(
+                    self.model,
+                    pb.input_ids[idx, :width].to(dev),
+                    pb.attention_mask[idx, :width].to(dev),
+                    m.to(dev),
+                    pb.temps[idx, :width] if isinstance(pb.temps, torch.Tensor) else pb.temps,
+                    with_entropy=True,
+                    entropy_grad=a.entropy_coef != 0,
+                    chunk=a.logprob_chunk_tokens,
+                )
         sel = m
         old = pb.old_logp[idx, :width][sel].to(dev)
         adv = pb.adv[idx, :width][sel].to(dev)
@@ -538,12 +588,13 @@ class PPOActor:
     # -- weights ----------------------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the full weights (the engine must never alias the tensors the
-        optimiser keeps changing). Collective under FSDP: every rank calls it, rank 0 gets the
+        """A detached CPU copy of the full weights in the compute dtype (``model.dtype``, what
+        the engine serves in; the fp32 master weights stay here), never aliasing the tensors the
+        optimiser keeps changing. Collective under FSDP: every rank calls it, rank 0 gets the
         weights, the others an empty dict. With LoRA: the merged weights (base + adapter)."""
         if self.cfg.lora is not None:
-            return merged_lora_state_dict(self.model, self.dist)
-        return full_state_dict(self.model)
+            return self.precision.for_engine(merged_lora_state_dict(self.model, self.dist))
+        return self.precision.for_engine(full_state_dict(self.model))
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable (LoRA adapter) weights only, full on rank 0 (collective under FSDP)."""
@@ -560,6 +611,7 @@ class PPOActor:
         folder = Path(folder)
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         base.save_pretrained(str(folder), state_dict=sd, safe_serialization=True)
+        self.precision.mark_folder(folder)
         if adapter is not None:
             self.save_adapter(folder / "adapter", adapter)
         return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())

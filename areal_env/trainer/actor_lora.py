@@ -15,7 +15,7 @@ from areal_env.trainer.dist import DistContext, full_state_dict
 logger = logging.getLogger(__name__)
 
 
-def _enable_checkpointing(model: Any) -> None:
+def enable_checkpointing(model: Any) -> None:
     """Activation (gradient) checkpointing, non-reentrant, across transformers versions."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -24,15 +24,18 @@ def _enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _set_gradient_sync(model: Any, sync: bool) -> None:
+def set_gradient_sync(model: Any, sync: bool) -> None:
     """Under FSDP reduce gradients only after the last micro-batch of a minibatch."""
     fn = getattr(model, "set_requires_gradient_sync", None)
     if fn is not None:
         fn(sync)
 
 
-def apply_lora(model: Any, lora: LoraConfig) -> torch.nn.Module:
-    """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable."""
+def apply_lora(model: Any, lora: LoraConfig, *, fp32_adapters: bool = True) -> torch.nn.Module:
+    """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable.
+
+    ``fp32_adapters``: the adapters are fp32 master weights even on a bf16/fp16 base (peft's
+    ``autocast_adapter_dtype``), so small updates are not rounded away."""
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -46,7 +49,7 @@ def apply_lora(model: Any, lora: LoraConfig) -> torch.nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    wrapped = get_peft_model(model, cfg)
+    wrapped = get_peft_model(model, cfg, autocast_adapter_dtype=fp32_adapters)
     n_train = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in wrapped.parameters())
     logger.info(

@@ -2,8 +2,9 @@
 records the update works on, and the update's metrics.
 
 Everything token-level is a flat vector over the *scored* tokens (loss-mask tokens at position
->= 1). Only those positions go through the LM head, which keeps the vocab-sized logits small: a
-prompt token never needs one. The loss and logprobs are tested against plain-loop references.
+>= 1). Only those positions go through the LM head, chunk by chunk (``logprobs``), which keeps
+the vocab-sized logits small: a prompt token never needs one. The loss and logprobs are tested
+against plain-loop references.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import torch
 
 from areal_env.trainer import memory
 from areal_env.trainer.dist import DistContext, all_reduce_sums
-from areal_env.trainer.tree import tree_logits
+from areal_env.trainer.logprobs import (
+    HeadInputs,
+    head_logprobs,
+    inverse_temperatures,
+    logits_logprobs,
+)
+from areal_env.trainer.tree import tree_logprobs
 
 # Model classes whose logits are exactly ``lm_head(final hidden state)``: for these we run the
 # decoder and apply the head to scored positions only. Others use the full forward pass.
@@ -104,55 +111,59 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def scored_logits(
+def _head_weight(inner: Any) -> torch.Tensor | None:
+    """The LM head's weight when the head is a plain bias-free linear layer (what the chunked
+    logprobs take); None otherwise (e.g. a LoRA-adapted head), and the logits are computed in
+    full."""
+    head = inner.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return head.weight
+    return None
+
+
+def scored_logprobs(
     model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     sel_next: torch.Tensor,
-) -> torch.Tensor:
-    """Logits at the positions ``sel_next`` [B, L-1] selects (position p predicts token p+1).
+    spec: HeadInputs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of the tokens after the positions ``sel_next`` [B, L-1] selects
+    (position p predicts token p+1); see :class:`HeadInputs`.
 
-    For plain-head models only the selected positions go through the LM head. A LoRA
-    (``peft``) wrapper is looked through; a sharded (FSDP) model runs this as a registered
-    forward method (see ``install_scored_forward``) so its root parameters are gathered.
+    For plain-head models only the selected positions go through the LM head, chunk by chunk
+    (``logprobs.head_logprobs``). A LoRA (``peft``) wrapper is looked through. A sharded (FSDP)
+    model runs this as a registered forward method (see ``install_scored_forward``) so its root
+    parameters are gathered before it runs and its gradients reduced after.
     """
-    fn = getattr(model, "areal_scored_logits", None)
-    if fn is not None:
-        return fn(input_ids, attention_mask, sel_next)
-    return _scored_logits_impl(model, input_ids, attention_mask, sel_next)
-
-
-def _scored_logits_impl(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    sel_next: torch.Tensor,
-) -> torch.Tensor:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if type(inner).__name__ in _PLAIN_HEAD_MODELS:
         hidden = inner.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         )[0]
-        return inner.get_output_embeddings()(hidden[:, :-1][sel_next])
+        weight = _head_weight(inner)
+        if weight is not None:
+            return head_logprobs(hidden[:, :-1][sel_next], weight, spec)
+        return logits_logprobs(inner.get_output_embeddings()(hidden[:, :-1][sel_next]), spec)
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.logits[:, :-1][sel_next]
+    return logits_logprobs(out.logits[:, :-1][sel_next], spec)
 
 
 def install_scored_forward(model: Any) -> None:
-    """Make ``scored_logits`` a forward method of ``model`` that FSDP hooks: the root's sharded
-    parameters (embeddings, final norm, LM head) are gathered before it runs and its gradients
-    reduced after, exactly as for ``forward``."""
+    """Make ``scored_logprobs`` and ``tree_logprobs`` forward methods of ``model`` that FSDP
+    hooks: the root's sharded parameters (embeddings, final norm, LM head) are gathered before
+    they run and their gradients reduced after, exactly as for ``forward``."""
     import types
 
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    model.areal_scored_logits = types.MethodType(_scored_logits_impl, model)  # type: ignore[assignment]
-    register_fsdp_forward_method(model, "areal_scored_logits")
-    model.areal_tree_logits = types.MethodType(tree_logits, model)  # type: ignore[assignment]
-    register_fsdp_forward_method(model, "areal_tree_logits")
+    model.areal_scored_logprobs = types.MethodType(scored_logprobs, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_scored_logprobs")
+    model.areal_tree_logprobs = types.MethodType(tree_logprobs, model)  # type: ignore[assignment]
+    register_fsdp_forward_method(model, "areal_tree_logprobs")
 
 
-def _plain_head(model: Any) -> bool:
+def has_plain_head(model: Any) -> bool:
     """Whether ``model`` (looked through a LoRA wrapper) has logits = lm_head(final hidden)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return type(inner).__name__ in _PLAIN_HEAD_MODELS
@@ -167,40 +178,44 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the tokens selected by ``mask`` [B, L], flattened in row-major
     order, under ``softmax(logits / temperature)`` — the distribution the sampler drew from.
 
     ``temperature``: one number, or a [B, L] tensor giving each token's own (the temperature
-    its logprob was recorded at; ``proxy.sampling: agent`` lets it differ per row)."""
+    its logprob was recorded at; ``proxy.sampling: agent`` lets it differ per row). ``chunk``:
+    positions per LM-head chunk (0 = all at once)."""
     sel_next = mask[:, 1:]  # position p predicts token p+1
     targets = input_ids[:, 1:][sel_next]
-    logits = scored_logits(model, input_ids, attention_mask, sel_next)
-    logits = logits.float()
+    n = int(targets.numel())
     if isinstance(temperature, torch.Tensor):
-        temps = temperature.to(logits.device)[:, 1:][sel_next].float()
-        if bool((temps != 1.0).any()):
-            logits = logits / temps.clamp_min(1e-6).unsqueeze(-1)
-    elif temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs = torch.softmax(logits, dim=-1)
-            entropy = lse - (probs * logits).sum(-1)
-    return logp, entropy
+        temps: float | torch.Tensor = temperature.to(input_ids.device)[:, 1:][sel_next]
+    else:
+        temps = temperature
+    inv_temp = inverse_temperatures(temps)
+    spec = HeadInputs(
+        torch.arange(n, device=input_ids.device),
+        targets,
+        inv_temp.to(input_ids.device) if isinstance(inv_temp, torch.Tensor) else inv_temp,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk=chunk,
+    )
+    fn = getattr(model, "areal_scored_logprobs", None)  # a sharded model's registered method
+    if fn is not None:
+        return fn(input_ids, attention_mask, sel_next, spec)
+    return scored_logprobs(model, input_ids, attention_mask, sel_next, spec)
 
 
-def _first_token_mask(width: int) -> torch.Tensor:
+def first_token_mask(width: int) -> torch.Tensor:
     """A [1, width] mask scoring only position 1: a minimal pass for padding micro-batches."""
     m = torch.zeros(1, width, dtype=torch.bool)
     m[0, min(1, width - 1)] = True
     return m
 
 
-def _single_temperature(
+def single_temperature(
     temps: torch.Tensor | float, rows: list[int], mask: torch.Tensor, default: float
 ) -> float | None:
     """The one temperature the scored tokens of ``rows`` were sampled at (tree packing takes a
@@ -215,7 +230,7 @@ def _single_temperature(
     return first if bool((scored == first).all()) else None
 
 
-def _row_lengths(attn: torch.Tensor) -> list[int]:
+def row_lengths(attn: torch.Tensor) -> list[int]:
     """Valid length of each right-padded row (index of the last attended token + 1)."""
     attn = attn.bool()
     pos = torch.arange(attn.shape[1], device=attn.device).expand_as(attn)

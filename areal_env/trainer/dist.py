@@ -4,7 +4,8 @@ One code path for CPU (gloo) and GPU (NCCL): ``init_distributed`` reads torchrun
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), picks NCCL when the
 device is a GPU and gloo otherwise. ``shard_model`` applies FSDP2 ``fully_shard`` to every
 decoder layer and then to the root (so the embedding / LM head / final norm are one unit),
-with bf16 parameters and fp32 gradient reduction on GPU and optional CPU offload.
+with parameters gathered in the compute dtype and gradients reduced in fp32 (mixed precision)
+and optional CPU offload.
 
 Why every rank sees the whole batch: group-normalised advantages need every row of a group, and
 a batch of token ids is tiny next to the model. Rank 0 (the only rank that rolls out)
@@ -162,22 +163,24 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_model(
     model: torch.nn.Module,
     *,
-    mixed_precision: bool,
+    param_dtype: torch.dtype | None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """FSDP2 ``fully_shard`` per decoder layer, then the root. In place; returns ``model``.
 
-    ``mixed_precision``: compute in bf16, reduce gradients in fp32 (GPU; the master weights and
-    optimiser states stay fp32). ``cpu_offload``: keep sharded parameters, gradients and
-    optimiser states in host memory (the step runs on CPU; for models that do not fit).
+    ``param_dtype``: compute in it (each layer's parameters are gathered cast to it) and reduce
+    gradients in fp32, over the model's own (fp32 master) parameters and optimiser states; None
+    = compute in the parameters' dtype. ``cpu_offload``: keep sharded parameters, gradients and
+    optimiser states in host memory (the optimiser step runs on the CPU; for models that do not
+    fit).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mixed_precision:
+    if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=param_dtype, reduce_dtype=torch.float32
         )
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -186,11 +189,11 @@ def shard_model(
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     logger.info(
-        "FSDP2: %d decoder layers + root sharded over %d rank(s) (mixed precision %s, "
+        "FSDP2: %d decoder layers + root sharded over %d rank(s) (compute dtype %s, "
         "cpu offload %s)",
         len(layers),
         dist.get_world_size() if dist.is_initialized() else 1,
-        mixed_precision,
+        param_dtype or "of the parameters",
         cpu_offload,
     )
     return model

@@ -14,32 +14,34 @@ row is the one it shares with the row just before it (``lcp``). Walking the rows
 a row reuses the first ``lcp`` nodes of its predecessor's path and appends the rest as new nodes.
 Every node's ancestors come before it, and the node count is ``sum(len - lcp)``.
 
+Layout: the rows in that order walk the trie depth first, so the trie is laid out in preorder: the
+nodes below node ``k`` are the interval ``[k, end[k])`` (:meth:`PackedTree.subtree_end`), which
+is what the FlexAttention kernel's block mask is built from.
+
 Attention: the dense ancestor mask as a 4-D float mask (sdpa or eager) computes ``N^2`` scores,
-most of them masked: a node attends only to its ancestors. :func:`enable_tree_attention` (the
-actor calls it for sdpa models) registers a thin sdpa wrapper with transformers that uses the
-shape of agent batches instead: the *trunk* (the prefix every row shares: the system prompt with
-the tool schemas) attends causally to itself, and each *segment* (the nodes below one child of
-the trunk: one task's rows) attends to the whole trunk plus, under the tree mask, to itself.
-Measured on the demo's batch shape (16 tasks x 2 samples behind a 440-token prompt), attention
-took 13.9 s of a 60 s update instead of 29.5 s of 70 s (torch profiler, 2-core CPU).
-A packed sequence is bounded by ``micro_batch_tokens`` nodes
-(:func:`tree_micro_batches`). The one model call is :func:`tree_logits`; a sharded (FSDP2) model
-runs it as a registered forward method so its root parameters are gathered.
+most of them masked: a node attends only to its ancestors. ``tree_attention`` holds the kernels
+that skip the masked part (trunk/segment sdpa on any device, FlexAttention on CUDA); the actor
+registers them with transformers for sdpa models (:func:`tree_attention.enable_tree_attention`).
+A packed sequence is bounded by ``micro_batch_tokens`` nodes (:func:`tree_micro_batches`). The
+one model call is :func:`tree_logprobs`; a sharded (FSDP2) model runs it as a registered forward
+method so its root parameters are gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from areal_env.api.tokens import common_prefix_len
+from areal_env.trainer.logprobs import HeadInputs, head_logprobs, logits_logprobs
+from areal_env.trainer.tree_attention import TREE_ATTN, TreeSegments, flex_tree_mask
 
-TREE_ATTN = "areal_tree_sdpa"  # the sdpa wrapper registered with transformers
 # Attention implementations that accept an arbitrary 4-D mask from transformers.
-_MASK_IMPLS = {"sdpa": "additive", "eager": "additive", TREE_ATTN: "segments"}
+_MASK_IMPLS = {"sdpa": "additive", "eager": "additive", TREE_ATTN: "kernel"}
 
 
 @dataclass
@@ -74,8 +76,21 @@ class PackedTree:
             mask[p[qi], p[ki]] = True
         return mask
 
+    def subtree_end(self) -> torch.Tensor:
+        """[N] long: the nodes below node ``k`` (itself included) are ``k .. end[k] - 1``.
+
+        The trie is laid out in preorder (rows in lexicographic order extend the previous
+        row's path), so a subtree is one interval, ending after the last node of the last row
+        through it; a row's nodes ascend along its path."""
+        end = torch.arange(1, self.n_nodes + 1)
+        if self.paths:
+            idx = torch.cat(self.paths)
+            last = torch.cat([p[-1:].expand(p.numel()) + 1 for p in self.paths])
+            end.scatter_reduce_(0, idx, last, reduce="amax")
+        return end
+
     def attention_segments(self) -> TreeSegments:
-        """The trunk/segment layout of :func:`segment_tree_attention` (see the module docstring).
+        """The trunk/segment layout of ``tree_attention.segment_tree_attention``.
 
         The trunk is the prefix every row shares (nodes ``0..T-1``: the first row in trie order
         lays it out first). Every other node hangs below one child of the trunk's last node; the
@@ -120,109 +135,6 @@ class PackedTree:
                 local = part - lo
                 allowed[s_i, local[qi], trunk + local[ki]] = True
         return TreeSegments(trunk, q_idx, allowed[:, None], slot)
-
-
-@dataclass
-class TreeSegments:
-    """Index tensors of :func:`segment_tree_attention` (see ``attention_segments``)."""
-
-    trunk: int  # nodes 0..trunk-1 are shared by every row
-    q_idx: torch.Tensor  # [S, W] node of each segment slot (padding slots repeat node 0)
-    allowed: torch.Tensor  # [S, 1, W, trunk + W] bool: trunk keys, then the segment's own
-    slot: torch.Tensor  # [N - trunk] flat (segment, position) slot of each node below the trunk
-    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def to(self, device: torch.device | str) -> TreeSegments:
-        return TreeSegments(
-            self.trunk, self.q_idx.to(device), self.allowed.to(device), self.slot.to(device)
-        )
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask of ``allowed``, built once per forward (every layer and the
-        checkpointed recompute share this object) instead of once per layer call."""
-        b = self._bias.get(dtype)
-        if b is None:
-            b = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            b.masked_fill_(~self.allowed, torch.finfo(dtype).min)
-            self._bias[dtype] = b
-        return b
-
-
-def segment_tree_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    seg: TreeSegments,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Attention of packed nodes (``query`` [1, H, N, d], ``key``/``value`` [1, Hkv, N, d]) under
-    the tree mask; returns [1, N, H, d] like transformers' sdpa wrapper.
-
-    The trunk attends causally to itself; each segment's nodes attend to the whole trunk and,
-    under the tree mask, to their own segment. That computes ``trunk^2 / 2 + S x W x (trunk +
-    W)`` scores instead of the dense mask's ``N^2``: in an agent batch, where a segment is one
-    task's rows, about a third (measured in ``bench/train_step.py --case agent``).
-    """
-    t = seg.trunk
-    gqa = key.shape[1] != query.shape[1]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    parts = []
-    if t:
-        trunk_out = sdpa(
-            query[:, :, :t],
-            key[:, :, :t],
-            value[:, :, :t],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-        parts.append(trunk_out.transpose(1, 2))  # [1, t, H, d]
-    if seg.slot.numel():
-        n_seg, width = seg.q_idx.shape
-        q = query[0][:, seg.q_idx].transpose(0, 1)  # [S, H, W, d]
-        k = key[0][:, seg.q_idx].transpose(0, 1)  # [S, Hkv, W, d]
-        v = value[0][:, seg.q_idx].transpose(0, 1)
-        if t:
-            shape = (n_seg, key.shape[1], t, key.shape[3])
-            k = torch.cat([key[:, :, :t].expand(shape), k], dim=2)
-            v = torch.cat([value[:, :, :t].expand(shape), v], dim=2)
-        out = sdpa(q, k, v, attn_mask=seg.bias(q.dtype), scale=scaling, enable_gqa=gqa)
-        flat = out.transpose(1, 2).reshape(n_seg * width, out.shape[1], out.shape[3])
-        parts.append(flat[seg.slot][None])
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
-def enable_tree_attention(model: torch.nn.Module) -> bool:
-    """Switch an sdpa model to the tree-aware sdpa wrapper (identical for every other call).
-
-    Returns False (and changes nothing) for other attention implementations.
-    """
-    cfg: Any = getattr(model, "config", None)
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl == TREE_ATTN:
-        return True
-    if impl != "sdpa":
-        return False
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        seg = kw.pop("tree_segments", None)
-        if seg is None:
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
-            )
-        return segment_tree_attention(query, key, value, seg, scaling), None
-
-    AttentionInterface.register(TREE_ATTN, attention)
-    AttentionMaskInterface.register(TREE_ATTN, sdpa_mask)
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(TREE_ATTN)
-    else:
-        cfg._attn_implementation = TREE_ATTN
-    return getattr(cfg, "_attn_implementation", None) == TREE_ATTN
 
 
 def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:
@@ -307,41 +219,42 @@ def tree_supported(model: torch.nn.Module) -> str | None:
 
 
 def _model_mask(model: torch.nn.Module, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [1, 1, N, N] mask in the form the model's attention implementation expects."""
+    """The [1, 1, N, N] additive mask for an sdpa/eager model without the tree kernels."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    kind = _MASK_IMPLS.get(impl)
-    if kind is None:
+    if impl not in _MASK_IMPLS:
         raise RuntimeError(tree_supported(model))
-    mask4 = mask[None, None]
-    if kind == "bool":
-        return mask4
     zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask4, zero, torch.finfo(dtype).min)
+    return torch.where(mask[None, None], zero, torch.finfo(dtype).min)
 
 
-def tree_logits(
+def tree_logprobs(
     model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     nodes: torch.Tensor,
+    spec: HeadInputs,
     plain_head: bool,
     **extra: Any,
-) -> torch.Tensor:
-    """Logits [len(nodes), V] of the packed sequence at ``nodes``.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of the tokens ``spec`` scores, predicted from the packed
+    sequence's ``nodes``.
 
     The one model call of a tree forward. A LoRA (``peft``) wrapper is looked through (its
     adapters live inside the base model's modules). A sharded (FSDP2) model runs this as a
-    registered forward method (``areal_tree_logits``, installed by the actor) so the root's
+    registered forward method (``areal_tree_logprobs``, installed by the actor) so the root's
     parameters (embeddings, final norm, LM head) are gathered before it runs, as for
     ``forward``.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     if plain_head:
-        hidden = inner.get_decoder()(input_ids=input_ids, **kw, **extra)[0]
-        return inner.get_output_embeddings()(hidden[0, nodes])
-    return model(input_ids=input_ids, **kw, **extra).logits[0, nodes]
+        hidden = inner.get_decoder()(input_ids=input_ids, **kw, **extra)[0][0, nodes]
+        head = inner.get_output_embeddings()
+        if type(head) is torch.nn.Linear and head.bias is None:
+            return head_logprobs(hidden, head.weight, spec)
+        return logits_logprobs(head(hidden), spec)
+    return logits_logprobs(model(input_ids=input_ids, **kw, **extra).logits[0, nodes], spec)
 
 
 def tree_token_logprobs(
@@ -354,64 +267,59 @@ def tree_token_logprobs(
     plain_head: bool = True,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    kernel: str = "sdpa",
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the scored tokens of every packed row, in row-major order.
 
     ``scored[i]`` is a bool [len_i] mask over row ``i``'s tokens (position 0 is never scored),
     ``targets[i]`` the row's tokens. The order of the result is the flat path's
-    (``token_logprobs``): row by row, position by position. Logits are computed once per distinct
-    predecessor node, which is all the vocab-sized work there is.
+    (``token_logprobs``): row by row, position by position. The LM head runs once per distinct
+    predecessor node, which is all the vocab-sized work there is, ``chunk`` nodes at a time.
+    ``kernel``: ``sdpa`` (trunk/segments) or ``flex`` (FlexAttention; CUDA) for models running
+    the tree attention function, else the dense mask.
     """
     device = next(model.parameters()).device
-    src_parts: list[torch.Tensor] = []
-    tgt_parts: list[torch.Tensor] = []
-    for path, m, tok in zip(tree.paths, scored, targets, strict=True):
-        m = m.bool().cpu()
-        if m.numel() and bool(m[0]):
-            raise ValueError("position 0 has no predecessor and cannot be scored")
-        sel = m.nonzero().squeeze(-1)
-        src_parts.append(path[sel - 1])
-        tgt_parts.append(tok.cpu().long()[sel])
-    src = torch.cat(src_parts).to(device)
-    tgt = torch.cat(tgt_parts).to(device)
-    ids = tree.input_ids.to(device)[None]
-    pos = tree.position_ids.to(device)[None]
-    param_dtype = next(model.parameters()).dtype
+    with record_function("tree/index"):
+        src_parts: list[torch.Tensor] = []
+        tgt_parts: list[torch.Tensor] = []
+        for path, m, tok in zip(tree.paths, scored, targets, strict=True):
+            m = m.bool().cpu()
+            if m.numel() and bool(m[0]):
+                raise ValueError("position 0 has no predecessor and cannot be scored")
+            sel = m.nonzero().squeeze(-1)
+            src_parts.append(path[sel - 1])
+            tgt_parts.append(tok.cpu().long()[sel])
+        src = torch.cat(src_parts)
+        tgt = torch.cat(tgt_parts)
+        uniq, inv = torch.unique(src, return_inverse=True)
+        # the head takes its tokens grouped by predecessor node (ascending): sort, then undo
+        order = torch.argsort(inv, stable=True)
+        spec = HeadInputs(
+            inv[order].to(device),
+            tgt[order].to(device),
+            1.0 / temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk=chunk,
+        )
+        ids = tree.input_ids.to(device)[None]
+        pos = tree.position_ids.to(device)[None]
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     extra: dict = {}
-    if _MASK_IMPLS.get(impl) == "segments":
-        # the wrapper ignores the mask; a 4-D placeholder keeps transformers from building one
-        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-        extra["tree_segments"] = tree.attention_segments().to(device)
-    else:
-        mask = _model_mask(model, tree.ancestor_mask(device), param_dtype)
-    uniq, inv = torch.unique(src, return_inverse=True)
-    fn = getattr(model, "areal_tree_logits", None)  # a sharded model's registered method
-    if fn is not None:
-        logits = fn(ids, mask, pos, uniq, plain_head, **extra)
-    else:
-        logits = tree_logits(model, ids, mask, pos, uniq, plain_head, **extra)
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits[inv, tgt] - lse[inv]
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs = torch.softmax(logits, dim=-1)
-            entropy = (lse - (probs * logits).sum(-1))[inv]
-    return logp, entropy
-
-
-__all__ = [
-    "PackedTree",
-    "pack_rows",
-    "packed_size",
-    "tree_micro_batches",
-    "tree_supported",
-    "enable_tree_attention",
-    "segment_tree_attention",
-    "tree_logits",
-    "tree_token_logprobs",
-]
+    with record_function("tree/mask"):
+        if _MASK_IMPLS.get(impl) == "kernel":
+            # the kernels ignore the mask; a 4-D placeholder keeps transformers from building one
+            mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+            if kernel == "flex":
+                extra["tree_flex"] = flex_tree_mask(tree.subtree_end(), device)
+            else:
+                extra["tree_segments"] = tree.attention_segments().to(device)
+        else:
+            dtype = next(model.parameters()).dtype
+            mask = _model_mask(model, tree.ancestor_mask(device), dtype)
+    args = (ids, mask, pos, uniq.to(device), spec, plain_head)
+    fn = getattr(model, "areal_tree_logprobs", None)  # a sharded model's registered method
+    logp_sorted, ent = fn(*args, **extra) if fn else tree_logprobs(model, *args, **extra)
+    logp = logp_sorted[torch.argsort(order).to(device)]
+    return logp, (ent[inv.to(device)] if ent is not None else None)

@@ -181,33 +181,41 @@ def test_tree_training_on_cuda_equals_flat(cuda_actor, gpu_tokenizer):
 
 
 def test_bf16_update_then_push_to_a_cuda_engine(gpu_model, gpu_tokenizer):
-    """A bf16 actor update on the GPU, its weights pushed to a bf16 engine on the GPU: the engine
-    serves the new weights (same tensors) at the new version."""
-    cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-3)
+    """A bf16-compute actor update on the GPU (fp32 master weights: an lr 1e-6 step moves
+    nearly every weight), its weights pushed to a bf16 engine on the GPU: the engine serves the
+    new weights (the master weights cast to bf16) at the new version."""
+    cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-6)
     model_cfg = ModelConfig(path=gpu_model, device=DEVICE, dtype="bfloat16")
     actor = PPOActor(gpu_model, cfg, model_cfg, temperature=1.0, seed=0)
     assert actor.device.type == DEVICE
-    assert next(actor.model.parameters()).dtype == torch.bfloat16
+    assert next(actor.model.parameters()).dtype == torch.float32  # master weights
+    assert actor.precision.compute == torch.bfloat16 and actor.precision.autocast
     batch = _agent_batch(gpu_tokenizer, seed=3)
     mask = batch["loss_mask"].bool()
     batch["logprobs"] = torch.where(mask, actor.compute_logprobs(batch), 0)
+    before = [p.detach().clone() for p in actor.model.parameters()]
     stats = actor.update(batch, step=1)
     assert stats["actor/update_skipped"] == 0.0
     assert all(v == v for v in stats.values()), stats  # no NaN
+    changed = sum(
+        int((p.detach() != b).sum()) for p, b in zip(actor.model.parameters(), before, strict=True)
+    )
+    assert changed / sum(b.numel() for b in before) >= 0.95
     eng = _engine(gpu_model, "bfloat16")
     try:
-        before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-        eng.update_weights(actor.state_dict_for_engine())
+        before_eng = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+        pushed = actor.state_dict_for_engine()
+        assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
+        eng.update_weights(pushed)
         eng.set_version(1)
         after = eng.model.state_dict()
-        pushed = actor.state_dict_for_engine()
         moved = 0
         for name, t in pushed.items():
             if name not in after:
                 continue
             assert after[name].device.type == DEVICE
-            assert torch.equal(after[name], t.to(after[name].device, after[name].dtype)), name
-            moved += int(not torch.equal(after[name], before[name]))
+            assert torch.equal(after[name], t.to(after[name].device)), name
+            moved += int(not torch.equal(after[name], before_eng[name]))
         assert moved > 0
         g = GenerationConfig(max_new_tokens=8, greedy=True)
         resp = asyncio.run(
@@ -216,6 +224,34 @@ def test_bf16_update_then_push_to_a_cuda_engine(gpu_model, gpu_tokenizer):
         assert set(resp.output_versions) == {1}
     finally:
         eng.destroy()
+
+
+def test_flex_tree_attention_on_cuda_equals_the_segment_path(gpu_model, gpu_tokenizer):
+    """The GPU's tree kernel (compiled FlexAttention over the trie's block mask) gives the
+    logprobs and gradients of the trunk/segment sdpa path, in bf16 compute."""
+    if DEVICE != "cuda":
+        pytest.skip("FlexAttention's backward runs on CUDA only")
+    from tests.unit.test_trainer_tree import _grads, _logprobs
+
+    cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-5)
+    model_cfg = ModelConfig(path=gpu_model, device=DEVICE, dtype="bfloat16")
+    actor = PPOActor(gpu_model, cfg, model_cfg, temperature=0.8, seed=2)
+    assert actor.tree_kernel == "flex"
+    batch = _agent_batch(gpu_tokenizer)
+    mask = batch["loss_mask"].bool()
+    flex = _logprobs(actor, batch, "on", 4096)
+    flat = _logprobs(actor, batch, "off", 4096)
+    actor.tree_kernel = "sdpa"
+    seg = _logprobs(actor, batch, "on", 4096)
+    assert (flex[mask] != 0).all()
+    # bf16 compute: the kernels round differently; the flat path is the reference
+    assert (flex - seg)[mask].abs().mean() < 0.02 and (flex - flat)[mask].abs().mean() < 0.02
+    batch["logprobs"] = torch.where(mask, flat + 0.1, 0)
+    actor.model.train()
+    _, grad_s, _ = _grads(actor, batch, "on", 4096)
+    actor.tree_kernel = "flex"
+    _, grad_f, _ = _grads(actor, batch, "on", 4096)
+    assert float((grad_f - grad_s).norm() / grad_s.norm()) < 0.05
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:

@@ -9,13 +9,17 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.tree import (
+from areal_env.trainer.tree import pack_rows, packed_size, tree_micro_batches
+from areal_env.trainer.tree_attention import (
+    FLEX_BLOCK,
     TREE_ATTN,
     enable_tree_attention,
-    pack_rows,
-    packed_size,
+    flex_bucket,
+    flex_probe,
+    flex_tree_attention,
+    flex_tree_mask,
     segment_tree_attention,
-    tree_micro_batches,
+    tree_kernel,
 )
 
 # ---------------------------------------------------------------- packing (no model)
@@ -84,6 +88,128 @@ def test_segment_attention_equals_the_dense_tree_mask(seed):
         strict=True,
     ):
         assert (a - b).abs().max() < 1e-10
+
+
+def _random_tree(seed: int, long: bool = False):
+    rng = random.Random(seed)
+    system = [rng.randint(0, 5) for _ in range(rng.randint(0, 300 if long else 6))]
+    longest = 200 if long else 7
+    rows = [
+        system + [rng.randint(0, 3) for _ in range(rng.randint(0 if system else 1, longest))]
+        for _ in range(rng.randint(1, 12))
+    ]
+    return pack_rows(rows)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_trie_is_laid_out_in_preorder(seed):
+    """A node's descendants are one interval [k, end[k]): ancestors are k <= q < end[k]."""
+    tree = _random_tree(seed)
+    end = tree.subtree_end()
+    q = torch.arange(tree.n_nodes)[:, None]
+    k = torch.arange(tree.n_nodes)[None, :]
+    assert torch.equal((k <= q) & (q < end[None, :]), tree.ancestor_mask())
+
+
+def _block_mask_elements(fm) -> torch.Tensor:
+    """The element mask a FlexAttention block mask stands for: full blocks all allowed,
+    partial blocks as their mask function says, every other block skipped."""
+    bm, length = fm.block_mask, fm.length
+    nb = length // FLEX_BLOCK
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    by_mod = bm.mask_mod(0, 0, q, k)
+    out = torch.zeros(length, length, dtype=torch.bool)
+    for qb in range(nb):
+        rs = slice(qb * FLEX_BLOCK, (qb + 1) * FLEX_BLOCK)
+        for j in range(int(bm.full_kv_num_blocks[0, 0, qb])):
+            kb = int(bm.full_kv_indices[0, 0, qb, j])
+            out[rs, kb * FLEX_BLOCK : (kb + 1) * FLEX_BLOCK] = True
+        for j in range(int(bm.kv_num_blocks[0, 0, qb])):
+            kb = int(bm.kv_indices[0, 0, qb, j])
+            ks = slice(kb * FLEX_BLOCK, (kb + 1) * FLEX_BLOCK)
+            out[rs, ks] = by_mod[rs, ks]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_flex_block_mask_from_the_trie_equals_the_ancestor_mask(seed):
+    """Built from the trie's intervals (no dense tensor): real nodes see exactly their
+    ancestors, padding nodes only themselves, and blocks without an ancestor are skipped."""
+    tree = _random_tree(seed, long=True)
+    fm = flex_tree_mask(tree.subtree_end(), "cpu")
+    n = tree.n_nodes
+    assert fm.n_nodes == n and fm.length == flex_bucket(n) >= n and fm.length % FLEX_BLOCK == 0
+    want = torch.eye(fm.length, dtype=torch.bool)
+    want[:n, :n] = tree.ancestor_mask()
+    assert torch.equal(_block_mask_elements(fm), want)
+    # no block is listed that holds no allowed pair, and none both full and partial
+    dense_blocks = want.view(fm.length // FLEX_BLOCK, FLEX_BLOCK, -1, FLEX_BLOCK).any(3).any(1)
+    listed = fm.block_mask.to_dense()[0, 0].bool()
+    assert torch.equal(listed, dense_blocks)
+
+
+def test_flex_buckets_are_powers_of_two_blocks():
+    assert [flex_bucket(n) for n in (1, 128, 129, 3267, 4096, 4097)] == [
+        128,
+        128,
+        256,
+        4096,
+        4096,
+        8192,
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("seed", range(6))
+def test_flex_tree_attention_forward_equals_the_segment_path(seed):
+    """FlexAttention's eager forward (the CPU has no backward) over the trie's block mask
+    equals the trunk/segment sdpa path and the dense mask (GQA, padding to the bucket)."""
+    tree = _random_tree(seed, long=True)
+    n, heads, kv_heads, d = tree.n_nodes, 4, 2, 16
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    seg = segment_tree_attention(q, k, v, tree.attention_segments(), 0.3)
+    fm = flex_tree_mask(tree.subtree_end(), "cpu")
+    flex = flex_tree_attention(q, k, v, fm, 0.3, compiled=False)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(2, 1),
+        v.repeat_interleave(2, 1),
+        scale=0.3,
+        attn_mask=tree.ancestor_mask()[None, None],
+    ).transpose(1, 2)
+    assert flex.shape == seg.shape == dense.shape == (1, n, heads, d)
+    assert (flex - dense).abs().max() < 1e-5
+    assert (flex - seg).abs().max() < 1e-5
+
+
+def test_tree_kernel_picks_flex_on_cuda_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert tree_kernel("auto", cpu) == "sdpa"
+    assert tree_kernel("sdpa", cuda) == "sdpa"
+    assert tree_kernel("auto", cuda) == "flex"  # flex_attention ships with torch >= 2.5
+    with pytest.raises(ConfigError, match="tree_attention=flex needs a CUDA device"):
+        tree_kernel("flex", cpu)
+    with pytest.raises(ConfigError, match="tree_attention"):
+        ActorConfig(tree_attention="triton").validate()  # type: ignore[arg-type]
+
+
+def test_flex_probe_finds_a_kernel_that_cannot_train_here(tiny_model_path, monkeypatch, caplog):
+    """The CPU has no FlexAttention backward: the probe says so, and an actor whose automatic
+    choice was flex (forced here, as on a GPU whose compiler fails) falls back to sdpa with a
+    warning instead of failing mid-step."""
+    import logging
+
+    import areal_env.trainer.actor as actor_module
+
+    why = flex_probe(torch.device("cpu"), 4, 2, 32, torch.float32)
+    assert why is not None and "backward" in why
+    monkeypatch.setattr(actor_module, "tree_kernel", lambda setting, device: "flex")
+    with caplog.at_level(logging.WARNING, logger="areal_env.trainer.actor"):
+        actor = PPOActor(tiny_model_path, ActorConfig(), ModelConfig(device="cpu"))
+    assert actor.tree_kernel == "sdpa"
+    assert "FlexAttention fails here" in caplog.text
 
 
 def test_ancestor_mask_matches_brute_force():

@@ -97,7 +97,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping")
-        return dict(value)
+        inner = get_args(tp)[1] if len(get_args(tp)) == 2 else Any
+        if inner is Any:
+            return dict(value)
+        # e.g. ``policies: {name: PolicyConfig}``: each value converted (``None`` = defaults)
+        return {
+            k: _convert(
+                {} if v is None and dataclasses.is_dataclass(inner) else v, inner, f"{key}.{k}"
+            )
+            for k, v in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value

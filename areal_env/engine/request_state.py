@@ -36,6 +36,26 @@ class RequestState:
     reason: str = ""  # why it stopped (set by _check_done)
     json_end: JsonEnd | None = None  # GenerationConfig.stop_at_json_end
     kv_epoch: int = -1  # the prefix cache's epoch when this row was prefilled
+    adapter: int = 0  # the row's LoRA adapter slot (engine.adapters.AdapterSet); 0 = the base
+    key_offset: int = 0
+    """Added to every token id of the row's prefix-cache keys (``slot * vocab``): KV computed
+    under one adapter is never reused under another (the keys of each adapter live in a range
+    of their own), while rows of the same adapter still share their prefixes."""
+    _prompt_key: list[int] | None = None
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """``ids`` as this row's prefix-cache key (``ids`` itself for the base weights)."""
+        if not self.key_offset:
+            return ids
+        off = self.key_offset
+        return [t + off for t in ids]
+
+    @property
+    def prompt_key(self) -> list[int]:
+        """The prompt's prefix-cache key (computed once)."""
+        if self._prompt_key is None:
+            self._prompt_key = self.cache_key(list(self.req.input_ids))
+        return self._prompt_key
 
 
 def allowed_tokens(rows: list[RequestState]) -> list[list[int] | None] | None:

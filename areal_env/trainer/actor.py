@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
+from areal_env.api.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
 from areal_env.trainer import memory
 from areal_env.trainer.actor_lora import (
     _enable_checkpointing,
@@ -80,7 +81,15 @@ logger = logging.getLogger(__name__)
 
 class PPOActor:
     """Owns the trainer's copy of the policy (separate from the inference engine's), the
-    optimiser and, when ``kl_coef > 0``, a frozen reference copy."""
+    optimiser and, when ``kl_coef > 0``, a frozen reference copy.
+
+    Several LoRA policies on one base model share one model with a named adapter each (a
+    multi-agent run's ``policies:``): the first actor loads it with every adapter in
+    ``adapters`` (FSDP shards it once, adapters included), the others pass ``share=`` that
+    actor. Each actor trains only its own ``adapter`` (peft's active adapter while it runs; its
+    optimiser holds that adapter's parameters alone), so one policy's update leaves every
+    other adapter's tensors bitwise as they were.
+    """
 
     def __init__(
         self,
@@ -90,6 +99,9 @@ class PPOActor:
         *,
         temperature: float = 1.0,
         seed: int = 1,
+        adapter: str = "default",
+        adapters: Mapping[str, LoraConfig] | None = None,
+        share: PPOActor | None = None,
     ) -> None:
         memory.tune_allocator()  # freed step memory must leave the process: see memory.py
         self.cfg = actor
@@ -106,20 +118,28 @@ class PPOActor:
         # FSDP keeps fp32 master weights and computes in bf16 on GPU (mixed precision).
         self.mixed_precision = actor.strategy == "fsdp" and self.dtype != torch.float32
         self.model_path = model_path
-        self.model: Any = self._load(model_path, trainable=True)
+        self.adapter = adapter
+        """This actor's LoRA adapter in ``model`` (peft's name; ``default`` for one policy)."""
+        if share is not None:
+            self.adapters: dict[str, LoraConfig] = dict(share.adapters)
+            self.model: Any = share.model
+        else:
+            self.adapters = dict(adapters or ({adapter: actor.lora} if actor.lora else {}))
+            self.model = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
         if actor.tree_training == "on" and self.tree_unsupported:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
             )
-        if actor.tree_training != "off" and not self.tree_unsupported:
+        if actor.tree_training != "off" and not self.tree_unsupported and share is None:
             # trunk/segment tree attention instead of the dense N^2 mask (tree.py); every call
             # without a packed tree runs plain sdpa
             base = getattr(self.model, "get_base_model", None)  # a LoRA (peft) wrapper
             enable_tree_attention(base() if callable(base) else self.model)
-        self.ref_model = None
-        if actor.kl_coef > 0:
+        self.ref_model: Any = share.ref_model if share is not None else None
+        if actor.kl_coef > 0 and self.ref_model is None:
             self.ref_model = self._load(model_path, trainable=False)
+        self.activate()
         params = [p for p in self.model.parameters() if p.requires_grad]
         kwargs: dict[str, Any] = {}
         if actor.strategy == "single" and self.device.type in ("cpu", "cuda"):
@@ -149,8 +169,8 @@ class PPOActor:
         load_dtype = torch.float32 if self.mixed_precision else self.dtype
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
         model.config.use_cache = False
-        if trainable and self.cfg.lora is not None:
-            model = apply_lora(model, self.cfg.lora)
+        if trainable and self.adapters:
+            model = apply_lora(model, self.adapters)
         if not self.cfg.fsdp_cpu_offload or self.cfg.strategy != "fsdp":
             model = model.to(self.device)
         if trainable:
@@ -168,6 +188,16 @@ class PPOActor:
             install_scored_forward(model)
         return model
 
+    @property
+    def shares_model(self) -> bool:
+        """Other policies' adapters live in this actor's model too."""
+        return len(self.adapters) > 1
+
+    def activate(self) -> None:
+        """Make this actor's adapter the one that runs and trains (a shared model only)."""
+        if self.shares_model:
+            self.model.set_adapter(self.adapter)
+
     # -- logprobs ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -176,6 +206,7 @@ class PPOActor:
     ) -> torch.Tensor:
         """Recompute logprobs [B, L] of the scored tokens at the sampling temperature (0
         elsewhere), in token-bounded micro-batches."""
+        self.activate()
         model = model or self.model
         input_ids = batch["input_ids"].to(self.device)
         attn = batch["attention_mask"].to(self.device).bool()
@@ -377,6 +408,7 @@ class PPOActor:
         """
         t_start = time.perf_counter()
         memory.reset_peak()
+        self.activate()
         pb = self.prepare(batch)
         a = self.cfg
         stats = dict(pb.stats)
@@ -531,12 +563,20 @@ class PPOActor:
         optimiser keeps changing). Collective under FSDP: every rank calls it, rank 0 gets the
         weights, the others an empty dict. With LoRA: the merged weights (base + adapter)."""
         if self.cfg.lora is not None:
-            return merged_lora_state_dict(self.model, self.dist)
+            self.activate()
+            return merged_lora_state_dict(self.model, self.dist, self.adapter)
         return full_state_dict(self.model)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable (LoRA adapter) weights only, full on rank 0 (collective under FSDP)."""
+        self.activate()
         return full_state_dict(self.model, trainable_only=True)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """This actor's adapter config, as peft writes ``adapter_config.json``."""
+        pcfg = self.model.peft_config[self.adapter].to_dict()
+        pcfg["base_model_name_or_path"] = self.model_path
+        return pcfg
 
     def export_hf(self, folder: Path) -> int:
         """Write the full model (LoRA merged in) as an HF folder; with LoRA also the adapter
@@ -562,6 +602,4 @@ class PPOActor:
             adapter = self.adapter_state_dict()
         if not self.dist.is_main:
             return 0
-        pcfg = self.model.peft_config["default"].to_dict()
-        pcfg["base_model_name_or_path"] = self.model_path
-        return save_adapter_folder(folder, adapter, pcfg)
+        return save_adapter_folder(folder, adapter, self.adapter_config(), self.adapter)

@@ -51,6 +51,27 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def zero_adapter(
+    model: torch.nn.Module, r: int, alpha: float, targets: list[str]
+) -> AdapterWeights:
+    """An adapter that changes nothing (``B = 0``, as a new peft adapter starts) on every
+    ``nn.Linear`` of ``model`` named by ``targets``: a policy answered by the base weights
+    until its first trained adapter arrives."""
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in targets and isinstance(module, torch.nn.Linear):
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.zeros(r, module.in_features)
+            tensors[f"{key}.lora_B.weight"] = torch.zeros(module.out_features, r)
+    if not tensors:
+        raise AdapterError(
+            f"no nn.Linear layer of this model is named {', '.join(targets)}: LoRA adapters "
+            "on these target modules cannot be served (set lora.target_modules to this model's "
+            "linear layers, or train the policy as a model of its own)"
+        )
+    return AdapterWeights(tensors, {"r": r, "lora_alpha": alpha, "target_modules": targets})
+
+
 class _Selection:
     """Which rows of the current forward use which adapter: ``groups`` is a list of
     ``(slot, row index tensor or None for every row)``; empty = the base model for all rows."""
@@ -174,6 +195,11 @@ class AdapterSet:
             self._layer(module_name)[slot] = ab
         self.configs[name] = dict(config)
         return len(staged)
+
+    def tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Adapter ``name``'s weights as served: ``{module: (A, alpha/r * B)}``."""
+        slot = self.slot(name)
+        return {m: w[slot] for m, w in self._weights.items() if slot in w}
 
     def remove(self, name: str) -> None:
         """Unload adapter ``name`` (``AdapterError`` when none is loaded by that name)."""

@@ -10,22 +10,60 @@ what the proxy routes requests to and what each policy's weights are pushed to.
 All engines of a run share one weight-version clock: the trainer moves every engine to the same
 version once per step (while they are paused, so the step's new weights appear at once), so a
 token's version says which step's weights made it, whatever policy made it.
+
+A checkpoint of a multi-agent run keeps each policy under ``policies/<name>/model``: a peft
+adapter folder for an adapter policy (on the base model its trainer state names), an HF folder
+for a model of its own. :meth:`PolicyEngines.from_checkpoint` serves exactly that
+(``areal-env serve --checkpoint``, ``areal-env eval --checkpoint``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from areal_env.api.config import ExperimentConfig
+from areal_env.api.config import ExperimentConfig, ModelConfig, PolicyConfig
 from areal_env.api.engine import InferenceEngine
-from areal_env.engine.adapters import AdapterEngine, AdapterHost
+from areal_env.engine.adapters import AdapterEngine, AdapterHost, zero_adapter
 from areal_env.engine.factory import create_engine
+from areal_env.engine.local import LocalEngine
 from areal_env.engine.models import resolve_model_path
 from areal_env.engine.sglang import SGLangEngine
 
 logger = logging.getLogger(__name__)
+
+POLICIES_DIR = "policies"
+"""Where a checkpoint keeps each policy: ``step_N/policies/<name>/{state,model}``."""
+
+
+@dataclass(frozen=True)
+class SavedPolicy:
+    """A policy as a checkpoint holds it (``trainer_state.json``: ``policies``)."""
+
+    name: str
+    adapter: bool
+    """A peft adapter folder on the base model (else a model of its own)."""
+    folder: Path
+    """Its servable weights: the adapter folder or the HF model folder."""
+
+
+def saved_policies(step_dir: str | Path) -> dict[str, SavedPolicy]:
+    """The policies a checkpoint ``step_N`` holds (empty for a run without policies)."""
+    step = Path(step_dir)
+    state_file = step / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    return {
+        name: SavedPolicy(
+            name,
+            rec.get("kind") == "adapter",
+            step / rec.get("folder", f"{POLICIES_DIR}/{name}") / "model",
+        )
+        for name, rec in (state.get("policies") or {}).items()
+    }
 
 
 class PolicyEngines:
@@ -42,6 +80,7 @@ class PolicyEngines:
         own: dict[str, InferenceEngine],
         *,
         own_base: bool,
+        base_weights: bool = False,
     ) -> None:
         self.config = config
         self.base = base
@@ -49,18 +88,27 @@ class PolicyEngines:
         self.own_base = own_base
         self.routes: dict[str, InferenceEngine] = {}
         for name, policy in config.policies.items():
-            if policy.is_adapter:
-                self.routes[name] = AdapterEngine(self._host(), name)
-            else:
+            if not policy.is_adapter:
                 self.routes[name] = own[name]
+            elif base_weights:  # the untrained policies: the base model itself answers
+                self.routes[name] = base
+            else:
+                self.routes[name] = AdapterEngine(self._host(), name)
+        self._adapter_folders: dict[str, Path] = {}
         self._tokenizers: dict[str, Any] = {}
 
     @classmethod
     def from_config(
-        cls, config: ExperimentConfig, base: InferenceEngine | None = None
+        cls,
+        config: ExperimentConfig,
+        base: InferenceEngine | None = None,
+        *,
+        base_weights: bool = False,
     ) -> PolicyEngines:
         """The engines of ``config.policies`` (not initialized): ``base`` (made from the config
-        unless given) and one per policy with a model of its own."""
+        unless given) and one per policy with a model of its own. ``base_weights``: adapter
+        policies are answered by the base model itself (their untrained state; e.g. evaluating
+        the base model) instead of by adapters pushed to it."""
         own_base = base is None
         if base is None:
             base = create_engine(_with_model(config, config.model.path))
@@ -69,7 +117,23 @@ class PolicyEngines:
             for i, (name, policy) in enumerate(config.policies.items())
             if not policy.is_adapter
         }
-        return cls(config, base, own, own_base=own_base)
+        return cls(config, base, own, own_base=own_base, base_weights=base_weights)
+
+    @classmethod
+    def from_checkpoint(cls, config: ExperimentConfig, step_dir: str | Path) -> PolicyEngines:
+        """The engines serving checkpoint ``step_dir``'s policies as they were trained (not
+        initialized; :meth:`initialize` loads the adapters). ``config`` gives the base model and
+        the engine settings; its ``policies:`` are replaced by the checkpoint's."""
+        saved = saved_policies(step_dir)
+        if not saved:
+            raise FileNotFoundError(f"checkpoint {str(step_dir)!r} holds no policies")
+        policies = {
+            name: PolicyConfig() if p.adapter else PolicyConfig(model=str(p.folder))
+            for name, p in saved.items()
+        }
+        engines = cls.from_config(dataclasses.replace(config, policies=policies))
+        engines._adapter_folders = {n: p.folder for n, p in saved.items() if p.adapter}
+        return engines
 
     def _host(self) -> AdapterHost:
         """The base engine as the host of the adapter policies."""
@@ -93,6 +157,22 @@ class PolicyEngines:
             engine.initialize()
         if self.adapter_names and isinstance(self.base, SGLangEngine):
             self.base.check_lora_serving()
+        for name, folder in self._adapter_folders.items():  # a checkpoint's adapters
+            self._host().load_adapter(name, folder)
+
+    def load_untrained_adapters(self) -> None:
+        """Serve every adapter policy with an adapter that changes nothing (the state a new
+        LoRA adapter starts in), so requests naming it are answered before the trainer pushes
+        the first trained one (the any-agent service opens its gateway first). The embedded
+        engine only: SGLang servers get each adapter with the trainer's first push."""
+        if not isinstance(self.base, LocalEngine):
+            logger.info("adapter policies are served once the trainer pushes their adapters")
+            return
+        for name in self.adapter_names:
+            lora = self.config.policy_actor(name).lora
+            assert lora is not None
+            weights = zero_adapter(self.base.model, lora.r, lora.alpha, list(lora.target_modules))
+            self.base.load_adapter(name, weights)
 
     def tokenizer(self, name: str) -> Any:
         """The tokenizer policy ``name``'s prompts are rendered with."""
@@ -136,6 +216,16 @@ class PolicyEngines:
                 logger.warning("destroying policy %s's engine failed: %s", name, e)
         if self.own_base:
             self.base.destroy()
+
+
+def checkpoint_config(config: ExperimentConfig, base_model: str) -> ExperimentConfig:
+    """``config`` with the base model a checkpoint was trained on."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, path=base_model))
+
+
+def default_config(base_model: str) -> ExperimentConfig:
+    """A config for serving a checkpoint on the embedded engine (``areal-env serve``)."""
+    return ExperimentConfig(model=ModelConfig(path=base_model))
 
 
 def _with_model(config: ExperimentConfig, path: str) -> ExperimentConfig:

@@ -24,16 +24,13 @@ from areal_env.api.config import ExperimentConfig, LoraConfig
 from areal_env.api.engine import InferenceEngine
 from areal_env.api.episode import Episode
 from areal_env.engine.models import resolve_model_path
-from areal_env.engine.policies import PolicyEngines
+from areal_env.engine.policies import POLICIES_DIR, PolicyEngines
 from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.checkpoint import CheckpointPart
 from areal_env.trainer.push import WeightPusher
 from areal_env.trainer.ranks import RankChannel
 
 logger = logging.getLogger(__name__)
-
-POLICIES_DIR = "policies"
-"""Where a multi-agent checkpoint keeps each policy: ``step_N/policies/<name>/``."""
 
 
 @dataclass

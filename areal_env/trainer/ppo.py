@@ -80,7 +80,8 @@ class PPOTrainer:
 
     ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
     workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
-    source is closed). ``engine``: an initialized engine to generate with and push weights to;
+    source is closed). ``engine``: an initialized engine to generate with and push weights to
+    (with ``policies:``, an initialized ``PolicyEngines`` or the base engine to build one on);
     the caller keeps ownership. ``on_checkpoint(step, path)``: called (rank 0) after each
     checkpoint is written, e.g. to mark the trajectories trained so far as durable
     (``areal-env serve-training`` commits its store there).
@@ -93,7 +94,7 @@ class PPOTrainer:
         valid_dataset: Any = None,
         *,
         source: BatchSource | None = None,
-        engine: InferenceEngine | None = None,
+        engine: InferenceEngine | PolicyEngines | None = None,
         on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
         validate_config(config)
@@ -113,14 +114,17 @@ class PPOTrainer:
         self.dist: DistContext = SINGLE
         self.ranks = RankChannel(SINGLE)
         self.books = RunBooks(config, self.ranks, on_checkpoint=on_checkpoint)
+        self.engines: PolicyEngines | None = None
+        """With ``policies:`` (rank 0): every policy's engine (``engine`` is their base)."""
+        self._given_engines: PolicyEngines | None = None
+        if isinstance(engine, PolicyEngines):
+            self._given_engines, engine = engine, engine.base
         self.engine: InferenceEngine | None = engine
         self._own_engine = False
         self.source: BatchSource | None = source
         # set up by atrain (rank 0 holds them all; other ranks only the actors)
         self.policies: dict[str | None, Policy] = {}
         """By name; ``{None: ...}``: the run's only policy (no ``policies:``)."""
-        self.engines: PolicyEngines | None = None
-        """With ``policies:`` (rank 0): every policy's engine (``engine`` is their base)."""
         self.tokenizer: Any = None
         self.proxy: ProxyServer | None = None
         self.evaluator: Evaluator | None = None
@@ -171,7 +175,7 @@ class PPOTrainer:
             except Exception as e:
                 logger.warning("stopping the proxy failed: %s", e)
             self.proxy = None
-        if self.engines is not None:
+        if self.engines is not None and self.engines is not self._given_engines:
             try:
                 self.engines.destroy()  # the policies' own engines, and the base if made here
             except Exception as e:
@@ -326,7 +330,9 @@ class PPOTrainer:
     def _set_up_models(self) -> RunPosition | None:
         """Models and recovery (every rank); rank 0 pushes restored weights to its engines.
         Returns the restored position, or ``None`` for a fresh start."""
-        models = build_models(self.config, self.dist, self.engine, self.ranks)
+        models = build_models(
+            self.config, self.dist, self.engine, self.ranks, engines=self._given_engines
+        )
         self.policies, self.tokenizer = models.policies, models.tokenizer
         self.engine, self._own_engine = models.engine, models.own_engine
         self.engines = models.engines
@@ -334,9 +340,13 @@ class PPOTrainer:
         if restored is not None:
             self.position = restored
         version = self.position.version
-        if self.dist.is_main and (self.config.policies or version > 0):
-            # restored weights, and (policies) every adapter: the engine serves none until then
-            self._push(list(self.policies.values()), version)
+        if self.dist.is_main and (restored is not None or self.config.policies):
+            # restored weights; on a fresh start the adapter policies (served by nobody until
+            # their adapters are loaded); a fresh model of its own is on its engine already
+            fresh = restored is None or version == 0
+            pushed = [p for p in self.policies.values() if p.adapter or not fresh]
+            if pushed:
+                self._push(pushed, version)
         return restored
 
     async def _fetch_and_update(

@@ -68,7 +68,7 @@ class WeightPusher:
         if self.adapter:
             self._push_adapter(engine, new_version)
             return
-        lora = self.config.actor.lora is not None and engine.supports_lora
+        lora = self.actor.cfg.lora is not None and engine.supports_lora
         in_process = engine.supports_state_dict_update
         what = "full" if in_process else ("adapter" if lora else "hf")
         sg = self.config.engine.sglang

@@ -76,10 +76,13 @@ def build_models(
     dist: DistContext,
     engine: InferenceEngine | None,
     ranks: RankChannel,
+    *,
+    engines: PolicyEngines | None = None,
 ) -> Models:
-    """The engine (its own model copy; made unless passed in) and the trainer's policies."""
+    """The engine (its own model copy; made unless passed in) and the trainer's policies
+    (``engines``: a multi-agent run's engines, initialized by their owner)."""
     if config.policies:
-        return _build_policy_models(config, dist, engine, ranks)
+        return _build_policy_models(config, dist, engine, ranks, engines)
     from transformers import AutoTokenizer
 
     model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
@@ -115,12 +118,15 @@ def _build_policy_models(
     dist: DistContext,
     engine: InferenceEngine | None,
     ranks: RankChannel,
+    given: PolicyEngines | None,
 ) -> Models:
     """A multi-agent run: every policy's engine (rank 0) and actor."""
     engines = None
     if dist.is_main:
-        engines = PolicyEngines.from_config(config, base=engine)
-        engines.initialize()
+        engines = given
+        if engines is None:
+            engines = PolicyEngines.from_config(config, base=engine)
+            engines.initialize()
     policies = build_policies(config, ranks, engines)
     first = next(iter(policies.values()))
     tokenizer = engines.base.tokenizer if engines is not None else None
@@ -133,7 +139,7 @@ def _build_policy_models(
         policies,
         tokenizer,
         engines.base if engines is not None else None,
-        engines.own_base if engines is not None else False,
+        engines is not None and given is None and engines.own_base,
         engines,
     )
 

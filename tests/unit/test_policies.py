@@ -226,3 +226,53 @@ def test_without_policies_any_model_name_is_served(scripted_proxy):
     assert r.model == "gpt-4o"
     models = httpx.get(scripted_proxy.base_url + "/v1/models").json()["data"]
     assert len(models) == 1
+
+
+# -- a step's rows per policy, and evaluation per policy (pure functions) ----------------------
+
+
+def _row(policy, reward, n_out=2):
+    from areal_env.api.rows import TrainingRow
+
+    return TrainingRow(
+        input_ids=[1] * (3 + n_out),
+        loss_mask=[0, 0, 0] + [1] * n_out,
+        logprobs=[0.0] * (3 + n_out),
+        versions=[-1, -1, -1] + [4] * n_out,
+        reward=reward,
+        policy=policy,
+    )
+
+
+def test_each_policy_gets_its_own_rows_and_figures():
+    from areal_env.api.episode import Episode
+    from areal_env.trainer.eval import policy_metrics
+    from areal_env.trainer.policies import policy_groups, policy_rollout_stats, unrouted_rows
+    from areal_env.workflow.batch import collate_groups
+
+    a = Episode(rows=[_row("planner", 1.0), _row("writer", 0.0)], accepted=True)
+    b = Episode(
+        rows=[_row("planner", 0.0), _row("writer", 1.0), _row("writer", 1.0)], accepted=True
+    )
+    c = Episode(rows=[_row("planner", 1.0), _row(None, 1.0)], accepted=True)
+    groups = [[a, b], [c]]
+    planner = policy_groups(groups, "planner")
+    writer = policy_groups(groups, "writer")
+    assert planner is not None and [len(g) for g in planner] == [2, 1]
+    assert writer is not None and [len(g) for g in writer] == [2]  # c has no writer row
+    assert policy_groups(groups, "critic") is None
+    assert unrouted_rows(groups, ["planner", "writer"]) == 1
+    # collated per policy: group ids per task, only that policy's rows
+    tensors = collate_groups(writer)
+    assert tensors["rewards"].tolist() == [0.0, 1.0, 1.0]
+    assert tensors["group_ids"].tolist() == [0, 0, 0]
+    stats = policy_rollout_stats(groups, "writer", trainer_version=6)
+    assert stats["policy/writer/rows"] == 3.0
+    assert abs(stats["policy/writer/reward/mean"] - 2 / 3) < 1e-9
+    assert stats["policy/writer/staleness/max"] == 2.0
+    # evaluation: a policy's reward in an episode is its rows' mean; team = every policy
+    a.interactions = [{"policy": "planner"}, {"policy": "writer"}]
+    m = policy_metrics([a, b], success_reward=1.0)
+    assert m["policy/planner/success_rate"] == 0.5 and m["policy/writer/success_rate"] == 0.5
+    assert m["team/success_rate"] == 0.0
+    assert m["policy/planner/turns_mean"] == 0.5

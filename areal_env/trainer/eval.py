@@ -344,6 +344,7 @@ class Evaluator:
                             **base,
                             "interaction_id": it.get("id"),
                             "parent_id": it.get("parent_id"),
+                            "policy": it.get("policy"),
                             "prompt": it.get("prompt_text"),
                             "completion": it.get("completion_text"),
                             "tool_calls": it.get("tool_calls"),

@@ -268,6 +268,8 @@ def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[st
                     **base,
                     "interaction_id": it.get("id"),
                     "parent_id": it.get("parent_id"),
+                    "policy": it.get("policy"),
+                    "spliced": it.get("spliced"),
                     "prompt": it.get("prompt_text"),
                     "completion": it.get("completion_text"),
                     "reward": it.get("reward"),

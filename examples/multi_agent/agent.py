@@ -129,8 +129,15 @@ class PlannerWriterAgent(EnvAgentBase):
                     }
                 )
                 for call in msg.tool_calls:
+                    name = call.function.name
                     entry = await logged_tool_call(
-                        env, name_map, call.function.name, call.function.arguments, tool_log
+                        env,
+                        name_map,
+                        name,
+                        call.function.arguments,
+                        tool_log,
+                        unknown_text=f"Error: unknown tool {name!r}; available: "
+                        + ", ".join(name_map),
                     )
                     messages.append(
                         {"role": "tool", "tool_call_id": call.id, "content": entry["result"]}

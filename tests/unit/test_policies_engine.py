@@ -255,3 +255,72 @@ def test_serve_loads_adapters_by_name(local, model_path, tmp_path):
         for name in local.adapter_names:
             local.unload_adapter(name)
     assert sys.executable  # the servers ran this interpreter
+
+
+def test_a_model_of_its_own_gets_its_own_engine(model_path, tmp_path):
+    """A full-model policy is served by an engine of its own next to the base engine's
+    adapters, through one proxy; an adapter policy starts as a no-op adapter (the service
+    serves it before the first push); adapters LoRA cannot put on the model are refused."""
+    import openai
+
+    from areal_env.api.config import ConfigError
+    from areal_env.engine.local import LocalEngine
+    from areal_env.engine.policies import PolicyEngines
+    from areal_env.proxy.policies import PolicyEndpoint
+    from areal_env.proxy.server import ProxyServer
+    from areal_env.trainer.actor_lora import apply_lora
+    from tests.fixtures.proxy import open_session
+
+    cfg = load_config(
+        ExperimentConfig,
+        overrides=[
+            f"fileroot={tmp_path}",
+            f"model.path={model_path}",
+            "model.num_threads=1",
+            "policies.planner={}",
+            f"policies.critic.model={model_path}",
+        ],
+    )
+    engines = PolicyEngines.from_config(cfg)
+    engines.initialize()
+    try:
+        critic, planner = engines.routes["critic"], engines.routes["planner"]
+        assert isinstance(critic, LocalEngine) and critic is not engines.base
+        assert engines.engines == [engines.base, critic]
+        engines.load_untrained_adapters()
+        server = ProxyServer(
+            engines.base,
+            engines.base.tokenizer,
+            policies={
+                n: PolicyEndpoint(e, engines.tokenizer(n)) for n, e in engines.routes.items()
+            },
+        ).start()
+        try:
+            _, key = open_session(server)
+            client = openai.OpenAI(base_url=server.openai_base_url, api_key=key, max_retries=0)
+            msgs = [{"role": "user", "content": PROMPT}]
+            answers = {
+                name: client.chat.completions.create(
+                    model=name, messages=msgs, max_tokens=8, temperature=0
+                )
+                .choices[0]
+                .message.content
+                for name in ("planner", "critic")
+            }
+        finally:
+            server.stop()
+        # both untrained: the base model's greedy answer, from two engines
+        assert answers["planner"] == answers["critic"]
+        assert critic.stats()["requests"] == 1 and engines.base.stats()["requests"] == 1
+        engines.set_version(3)
+        assert critic.get_version() == 3 == planner.get_version()
+    finally:
+        engines.destroy()
+
+    from transformers import AutoModelForCausalLM
+
+    from areal_env.api.config import LoraConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    with pytest.raises(ConfigError, match="LoRA adapters cannot be put on"):
+        apply_lora(model, {"p": LoraConfig(target_modules=["c_attn"])})

@@ -136,10 +136,13 @@ def test_two_policies_train_resume_after_kill_serve_and_eval(tmp_path):
         for f in (run_dir / "rollout").glob("*/*.jsonl")
         for line in f.read_text().splitlines()
     ]
-    for rec in dumps:  # one session, both policies, the writer spliced onto the planner
-        policies = [i["policy"] for i in rec["interactions"]]
-        assert policies == ["planner", "writer"], policies
-        assert rec["interactions"][1]["spliced"]
+    sessions: dict[str, list[dict]] = {}
+    for rec in dumps:
+        sessions.setdefault(rec["session_id"], []).append(rec)
+    assert len(sessions) == 4  # 2 tasks x 2 samples
+    for lines in sessions.values():  # both policies, the writer spliced onto the planner
+        assert [x["policy"] for x in lines] == ["planner", "writer"]
+        assert lines[1]["spliced"] and lines[1]["parent_id"] == lines[0]["interaction_id"]
 
     # 2. recovery restores both adapters (and their optimisers) bitwise
     saved = _adapter_files(step1)

@@ -426,11 +426,14 @@ class PPOTrainer:
         """One PPO update of ``policy`` on ``groups`` (skipped when it has no trained token)."""
         tensors = collate_groups(groups) if any(groups) else None
         if tensors is None or int(tensors["loss_mask"].sum()) == 0:
-            logger.warning(
-                "step %d: no trained token for %s; update skipped",
-                self.step + 1,
-                "the policy" if policy.name is None else f"policy {policy.name}",
-            )
+            if policy.name is None:
+                logger.warning("step %d: every episode was rejected; update skipped", self.step)
+            else:
+                logger.warning(
+                    "step %d: no trained token for policy %s; its update skipped",
+                    self.step + 1,
+                    policy.name,
+                )
             return {"actor/update_skipped": 1.0, "empty_batch": 1.0, "actor/updated": 0.0}
         step = self.position.step
 

@@ -324,3 +324,33 @@ def test_a_model_of_its_own_gets_its_own_engine(model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_path)
     with pytest.raises(ConfigError, match="LoRA adapters cannot be put on"):
         apply_lora(model, {"p": LoraConfig(target_modules=["c_attn"])})
+
+
+def test_two_policies_under_fsdp_step_equals_single_process(tmp_path, model_path):
+    """Two LoRA policies on one sharded model (2 gloo ranks): policy a's step equals the
+    1-process step, and policy b's adapter is bitwise what it was, on both."""
+    from safetensors.torch import load_file
+
+    from tests.distributed.run import run_worker
+
+    def _load(path):
+        return load_file(str(path))
+
+    def _max_diff(a: dict, b: dict) -> float:
+        assert set(a) == set(b)
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    common = ["--model", model_path, "--steps", "sgd,adamw", "--policies"]
+    (single,) = run_worker([*common, "--strategy", "single", "--out", str(tmp_path / "s")])
+    ranks = run_worker([*common, "--strategy", "fsdp", "--out", str(tmp_path / "f")], nproc=2)
+    assert single["other_unchanged"] is True
+    assert [r["other_unchanged"] for r in ranks] == [True, True]
+    for i, name in enumerate(["sgd", "adamw"]):
+        s_step, f_step = single["steps"][i], ranks[0]["steps"][i]
+        assert f_step["loss"] == pytest.approx(s_step["loss"], rel=1e-4, abs=1e-7)
+        a = _load(tmp_path / "s" / f"{i}_{name}.st")
+        b = _load(tmp_path / "f" / f"{i}_{name}.st")
+        assert a and all(".lora_A.a." in k or ".lora_B.a." in k for k in a)
+        assert _max_diff(a, b) < 1e-5, name
+    moved = _load(tmp_path / "s" / "0_sgd.st")
+    assert max(float(v.abs().max()) for k, v in moved.items() if "lora_B" in k) > 2e-4

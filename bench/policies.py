@@ -15,7 +15,8 @@ all of them:
 ``mix2_vs_one`` / ``mix4_vs_one`` (target >= 0.7) and ``subbatch4_vs_one`` are medians of the
 per-round ratios of tokens/s. With ``--peft`` the forward-level comparison that chose the
 engine's design runs too: peft's mixed-adapter batches (``adapter_names``) against the engine's
-adapter hooks, the same decode steps on copies of the model (``peft_mix4_vs_hooks_mix4``).
+adapter hooks and the plain model, the same decode steps on copies of the model
+(``forward_peft_mix4_vs_hooks_mix4``, ``forward_hooks_mix4_vs_base``).
 
 Push sizes: a LoRA policy's push (``r`` and targets of ``--rank`` / the default LoRA config) is
 its adapter alone: ``push_bytes_adapter`` (in memory, ``AdapterWeights``) and
@@ -106,12 +107,16 @@ async def subbatches(engine: LocalEngine, rows: list[list[int]], k: int, n: int)
     return len(rows) * n / (time.perf_counter() - t0)
 
 
-def forward_level(model_path: str, adapters: list[AdapterWeights], rows: int, steps: int):
-    """peft's mixed-adapter batches vs the engine's hooks: tokens/s of the same decode loop."""
+def forward_level(
+    model_path: str, adapters: list[AdapterWeights], rows: int, steps: int, rounds: int
+) -> dict[str, float]:
+    """peft's mixed-adapter batches vs the engine's hooks vs the plain model: tokens/s of the
+    same decode loop (rounds interleaved, medians and the median per-round ratio)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from areal_env.engine.adapters import AdapterSet
+    from areal_env.engine.batch_worker import cache_keyword
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     ids = torch.randint(100, 40000, (rows, 64), generator=torch.Generator().manual_seed(0))
@@ -132,19 +137,30 @@ def forward_level(model_path: str, adapters: list[AdapterWeights], rows: int, st
     names = [f"a{i % k}" for i in range(rows)]
     slots = [aset.slot(n) for n in names]
 
+    kw = cache_keyword(base)
+
     def run(model, extra) -> float:
         with torch.inference_mode():
             cache = DynamicCache()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, **extra)
+            out = model(input_ids=ids, use_cache=True, **{kw: cache}, **extra)
             tok = out.logits[:, -1].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True, **extra)
+                out = model(input_ids=tok[:, None], use_cache=True, **{kw: cache}, **extra)
                 tok = out.logits[:, -1].argmax(-1)
             return rows * steps / (time.perf_counter() - t0)
 
     aset.select(slots, torch.device("cpu"))
-    return run(pm, {"adapter_names": names}), run(hooked, {}), run(base, {})
+    got: dict[str, list[float]] = {"peft_mix4": [], "hooks_mix4": [], "base": []}
+    for _ in range(rounds):
+        got["peft_mix4"].append(run(pm, {"adapter_names": names}))
+        got["hooks_mix4"].append(run(hooked, {}))
+        got["base"].append(run(base, {}))
+    out = {f"forward_tok_s_{k}": statistics.median(v) for k, v in got.items()}
+    for a, b in (("peft_mix4", "hooks_mix4"), ("hooks_mix4", "base"), ("peft_mix4", "base")):
+        ratios = [x / y for x, y in zip(got[a], got[b], strict=True)]
+        out[f"forward_{a}_vs_{b}"] = statistics.median(ratios)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,13 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.destroy()
 
     if args.peft:
-        peft_s, hooks_s, base_s = forward_level(path, adapters, args.rows, n)
-        out.update(
-            forward_tok_s_peft_mix4=peft_s,
-            forward_tok_s_hooks_mix4=hooks_s,
-            forward_tok_s_base=base_s,
-            peft_mix4_vs_hooks_mix4=peft_s / hooks_s,
-        )
+        out.update(forward_level(path, adapters, args.rows, n, args.rounds))
     for k, v in out.items():
         print(f"{k:28} {v:,.3f}")
     print(json.dumps({k: round(v, 4) for k, v in out.items()}))

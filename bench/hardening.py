@@ -635,7 +635,16 @@ def hostile_corpus(stack: Stack, out: Outcome, timeout: float) -> None:
     ]
     cases: list[tuple[str, str, dict, Any, bool]] = [
         # (target, path, headers, json body or raw bytes, must be 4xx)
-        ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "n": 2}, True),
+        ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "n": 2}, False),
+        ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "n": 0}, True),
+        ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "n": 10**6}, True),
+        (
+            "proxy",
+            "/v1/chat/completions",
+            P,
+            {"model": "m", "messages": M, "n": 2, "stream": True},
+            True,
+        ),
         ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "max_tokens": 0}, True),
         ("proxy", "/v1/chat/completions", P, {"model": "m", "messages": M, "max_tokens": -5}, True),
         (
@@ -821,7 +830,8 @@ def hostile_corpus(stack: Stack, out: Outcome, timeout: float) -> None:
         ("gateway", "/rl/v1/sessions", {"Authorization": f"Bearer {USER_KEY}"}, nested, True),
         ("gateway", "/rl/v1/set_reward", G, {"reward": "high"}, True),
         ("gateway", "/rl/v1/finalize", G, {"final_reward": [1]}, True),
-        ("gateway", "/v1/chat/completions", G, {"model": "m", "messages": M, "n": 3}, True),
+        ("gateway", "/v1/chat/completions", G, {"model": "m", "messages": M, "n": 3}, False),
+        ("gateway", "/v1/chat/completions", G, {"model": "m", "messages": M, "n": -1}, True),
         (
             "gateway",
             "/v1/messages",

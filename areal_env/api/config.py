@@ -9,7 +9,9 @@ sections and ``load_config``; the loader's machinery (type conversion, overrides
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -25,6 +27,8 @@ from areal_env.api.io import GenerationConfig
 from areal_env.api.service_config import ServiceConfig
 
 T = TypeVar("T")
+
+_POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +290,46 @@ class LoraConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """One trainable policy of a multi-agent run (an entry of ``policies:``).
+
+    The proxy serves it under its name (the ``model`` field of a request picks it); the trainer
+    updates it on the completions it produced and pushes only its weights. Optimiser fields left
+    at ``None`` take the ``actor`` section's value.
+    """
+
+    model: str | None = path_field("model", default=None)
+    """None (the default): a LoRA adapter on the run's base model (``model.path``), served by
+    the same engine as the other adapters, in the same batches. A known model name or an HF
+    folder: a full model of its own (full fine-tuning, its own engine and weights)."""
+    lora: LoraConfig | None = None
+    """The adapter's shape (default: ``actor.lora``, else LoRA's defaults). Adapter policies
+    only."""
+    lr: float | None = None
+    """AdamW learning rate (default: ``actor.lr``)."""
+    lr_warmup_steps: int | None = None
+    """Learning-rate warmup (default: ``actor.lr_warmup_steps``)."""
+    weight_decay: float | None = None
+    """AdamW weight decay (default: ``actor.weight_decay``)."""
+    adam_betas: list[float] | None = None
+    """AdamW betas (default: ``actor.adam_betas``)."""
+    max_grad_norm: float | None = None
+    """Gradient clipping norm (default: ``actor.max_grad_norm``)."""
+    addresses: list[str] = field(default_factory=list)
+    """A full-model policy with ``engine.backend: remote``: its own servers (host:port)."""
+
+    @property
+    def is_adapter(self) -> bool:
+        """A LoRA adapter on the base model (else a full model of its own)."""
+        return self.model is None
+
+    def optimiser_overrides(self) -> dict[str, Any]:
+        """The ``actor`` fields this policy sets for itself."""
+        names = ("lr", "lr_warmup_steps", "weight_decay", "adam_betas", "max_grad_norm")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass
 class ActorConfig:
     """The PPO update."""
 
@@ -492,6 +536,11 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     """The any-agent training service (``areal-env serve-training``)."""
+    policies: dict[str, PolicyConfig] = field(default_factory=dict)
+    """Several trainable policies behind one proxy (multi-agent RL): ``name -> PolicyConfig``.
+    A request's ``model`` field names the policy that answers it (an unknown name gets 404
+    ``model_not_found``); each policy is trained on its own completions. Empty (the default):
+    one policy, the base model, served under any model name."""
     workflow: str | None = path_field("import", default=None)
     """Import string of the agent/workflow (``pkg.mod:Attr`` or ``path.py:Attr``)."""
     workflow_kwargs: dict[str, Any] = path_field(WORKFLOW_KWARGS_PATHS, default_factory=dict)
@@ -526,6 +575,58 @@ class ExperimentConfig:
             raise ConfigError(
                 "extra_valid_datasets are evaluated beside valid_dataset: set valid_dataset too"
             )
+        for name, policy in self.policies.items():
+            self._validate_policy(name, policy)
+
+    def _validate_policy(self, name: str, policy: PolicyConfig) -> None:
+        """A policy's name (a request's ``model`` field, a folder name) and its settings."""
+        where = f"policies.{name}"
+        if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
+            raise ConfigError(
+                f"policy name {name!r} is invalid: use letters, digits, '.', '_' or '-' (at most "
+                "64, starting with a letter or digit); it is the `model` agents send and a folder "
+                "name in checkpoints"
+            )
+        taken = {self.model.path, Path(self.model.path).name, self.proxy.model_name}
+        if name in taken:
+            raise ConfigError(
+                f"policy name {name!r} is the base model's name ({self.model.path!r}): a request "
+                "naming it would be ambiguous (the base model or the policy?); rename the policy, "
+                f"e.g. {name.split('/')[-1]}-policy"
+            )
+        if not policy.is_adapter and policy.lora is not None:
+            raise ConfigError(
+                f"{where} sets both model and lora: a policy with a model of its own trains all "
+                f"of its weights; remove {where}.lora (or {where}.model for an adapter on the "
+                "base model)"
+            )
+        if policy.is_adapter and policy.addresses:
+            raise ConfigError(
+                f"{where}.addresses: an adapter policy is served by the base model's engine; "
+                f"only a policy with a model of its own ({where}.model) has servers of its own"
+            )
+        if not policy.is_adapter and self.engine.backend == "remote" and not policy.addresses:
+            raise ConfigError(
+                f"{where}.model with engine.backend=remote needs {where}.addresses: the "
+                "host:port of servers that serve that model"
+            )
+        try:
+            self.policy_actor(name).validate()
+            if policy.lora is not None:
+                policy.lora.validate()
+        except ConfigError as e:
+            raise ConfigError(
+                str(e).replace("actor.lora.", f"{where}.lora.").replace("actor.", f"{where}.")
+            ) from None
+
+    def policy_actor(self, name: str) -> ActorConfig:
+        """The ``actor`` settings policy ``name`` trains with: its own optimiser fields over
+        the ``actor`` section, and its adapter's shape (``None`` for a full-model policy)."""
+        policy = self.policies[name]
+        lora = None
+        if policy.is_adapter:
+            lora = policy.lora or self.actor.lora or LoraConfig()
+        return dataclasses.replace(self.actor, lora=lora, **policy.optimiser_overrides())
 
 
 def load_config(

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+import typing
 from typing import Any
 
 from areal_env.api import config as config_module
@@ -72,6 +73,10 @@ def render_reference(cls: type = config_module.ExperimentConfig, prefix: str = "
     out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
     for sub_prefix, sub_cls in nested:
         out.append(render_reference(sub_cls, sub_prefix))
+    for f in dataclasses.fields(cls):  # ``name -> section`` maps: the section of one entry
+        args = typing.get_args(typing.get_type_hints(cls).get(f.name))
+        if len(args) == 2 and isinstance(args[1], type) and dataclasses.is_dataclass(args[1]):
+            out.append(render_reference(args[1], f"{prefix}{f.name}.<name>."))
     return "\n".join(out)
 
 

@@ -127,7 +127,22 @@ def relocate_paths(cls: type, data: dict[str, Any], base: Path) -> dict[str, Any
         elif dataclasses.is_dataclass(tp) and isinstance(out[f.name], dict):
             assert isinstance(tp, type)
             out[f.name] = relocate_paths(tp, out[f.name], base)
+        elif (inner := _dataclass_values(tp)) is not None and isinstance(out[f.name], dict):
+            # e.g. policies: {name: PolicyConfig}
+            out[f.name] = {
+                k: relocate_paths(inner, v, base) if isinstance(v, dict) else v
+                for k, v in out[f.name].items()
+            }
     return out
+
+
+def _dataclass_values(tp: Any) -> type | None:
+    """The value type of a ``dict[str, SomeDataclass]`` annotation, else None."""
+    if get_origin(tp) is dict:
+        args = get_args(tp)
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]) and isinstance(args[1], type):
+            return args[1]
+    return None
 
 
 def _relocate_inside(
@@ -197,6 +212,10 @@ def check_config_paths(cfg: Any, prefix: str = "") -> None:
                     checks.append((f"{prefix}{f.name}.{dotted}", inner, found[0][found[1]]))
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_config_paths(value, prefix + f.name + ".")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                    check_config_paths(v, f"{prefix}{f.name}.{k}.")
         for key, k, v in checks:
             problem = _path_problem(k, v)
             if problem is not None:
@@ -283,7 +302,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping")
-        return dict(value)
+        inner = get_args(tp)[1] if len(get_args(tp)) == 2 else Any
+        if inner is Any:
+            return dict(value)
+        # e.g. ``policies: {name: PolicyConfig}``: each value converted (``None`` = defaults)
+        return {
+            k: _convert(
+                {} if v is None and dataclasses.is_dataclass(inner) else v, inner, f"{key}.{k}"
+            )
+            for k, v in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value

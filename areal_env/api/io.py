@@ -170,6 +170,9 @@ class ModelRequest:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
+    """The LoRA adapter (a policy's, by name) that answers; None = the engine's own weights.
+    Engines serve the adapters loaded with ``load_adapter`` (SGLang: ``lora_path``)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from areal_env.api.config_load import path_field
 from areal_env.api.errors import ConfigError, check_port, check_rate_limit
 from areal_env.http.net import is_loopback
 
-__all__ = ["ServiceConfig", "is_loopback"]
+__all__ = ["ServiceConfig"]
 
 
 @dataclass

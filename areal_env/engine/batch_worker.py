@@ -26,6 +26,7 @@ import torch
 from areal_env.api.engine import EngineUnavailableError
 from areal_env.api.io import ModelResponse, StreamChunk
 from areal_env.api.tokens import common_prefix_len
+from areal_env.engine.adapters import AdapterSet
 from areal_env.engine.grammar import MaskFiller
 from areal_env.engine.kv_cache import SPARE_COLUMNS, BatchKV
 from areal_env.engine.prefix_cache import PrefixCache
@@ -62,6 +63,9 @@ class BatchWorker:
         """Replaced only at a step boundary (``at_step_boundary``): the loop is its only user."""
         self.version = 0
         """Weight version stamped on every token decoded from now on."""
+        self.adapters: AdapterSet | None = None
+        """Named LoRA adapters served per row (one per policy of a multi-agent run); ``None``
+        until the first is loaded. Loaded and removed only at a step boundary."""
         self.counters = {
             "requests": 0,
             "finished": 0,
@@ -222,6 +226,14 @@ class BatchWorker:
             self.version += 1
             self.counters["weight_updates"] += 1
 
+    def adapters_changed(self) -> None:
+        """Called at a step boundary after an adapter was loaded or removed: cached KV of its
+        rows belongs to the old adapter weights (the version is the caller's to move: all
+        policies of an engine share its clock)."""
+        self.prefix_cache.clear()
+        with self._cv:
+            self.counters["weight_updates"] += 1
+
     def stats(self) -> dict[str, float]:
         """Counters: requests, tokens generated, decode steps, mean/max batch size, queue."""
         with self._cv:
@@ -236,8 +248,11 @@ class BatchWorker:
         return s
 
     # ------------------------------------------------------------------ the worker thread
-    def _forward(self, cache: Any, **kwargs: Any) -> Any:
-        """One model forward that extends ``cache`` in place, under this transformers' keyword."""
+    def _forward(self, cache: Any, rows: list[RequestState], **kwargs: Any) -> Any:
+        """One model forward over ``rows`` (each with its own LoRA adapter, if any) that extends
+        ``cache`` in place, under this transformers' keyword."""
+        if self.adapters is not None and len(self.adapters):
+            self.adapters.select([r.adapter for r in rows], self.device)
         return self.model(**kwargs, **{self._cache_keyword: cache})
 
     def _log_progress(self) -> None:
@@ -327,6 +342,7 @@ class BatchWorker:
         pending = self._start_masks(self._running)  # computed while the forward runs
         out = self._forward(
             kv.cache,
+            self._running,
             input_ids=self._next_tokens[:, None],
             attention_mask=mask,
             position_ids=self._positions[:, None],
@@ -357,29 +373,27 @@ class BatchWorker:
             self._seed_shared_prefixes(admit)
             plain, cached = [], []
             for r in admit:
-                n = self.prefix_cache.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                n = self.prefix_cache.match_length(r.prompt_key, len(r.req.input_ids) - 1)
                 (cached if n >= _MIN_PREFIX else plain).append(r)
         for group in length_groups(plain):
             self._prefill_group(group, version)
         if cached:
             rest = {
                 id(r): len(r.req.input_ids)
-                - self.prefix_cache.match_length(r.req.input_ids, len(r.req.input_ids) - 1)
+                - self.prefix_cache.match_length(r.prompt_key, len(r.req.input_ids) - 1)
                 for r in cached
             }
             for group in length_groups(cached, size=lambda r: rest[id(r)]):
                 self._prefill_cached(group, version)
 
     def _seed_shared_prefixes(self, admit: list[RequestState]) -> None:
-        """Prefill, once, each long prefix that several of ``admit`` share and the cache lacks."""
-        ids = sorted(
-            (
-                r.req.input_ids
-                for r in admit
-                if self.prefix_cache.match_length(r.req.input_ids) == 0
-            ),
-            key=tuple,
+        """Prefill, once, each long prefix that several of ``admit`` share and the cache lacks.
+        (Compared by prefix-cache keys: rows of different adapters never share a prefix.)"""
+        rows = sorted(
+            (r for r in admit if self.prefix_cache.match_length(r.prompt_key) == 0),
+            key=lambda r: tuple(r.prompt_key),
         )
+        ids = [r.prompt_key for r in rows]
         i = 0
         while i + 1 < len(ids):
             shared = common_prefix_len(ids[i], ids[i + 1])
@@ -395,9 +409,11 @@ class BatchWorker:
                 from transformers import DynamicCache
 
                 cache = DynamicCache()
+                real = list(rows[i].req.input_ids[:shared])
                 self._forward(
                     cache,
-                    input_ids=torch.tensor([prefix], dtype=torch.long, device=self.device),
+                    [rows[i]],
+                    input_ids=torch.tensor([real], dtype=torch.long, device=self.device),
                     use_cache=True,
                     logits_to_keep=1,
                 )
@@ -422,6 +438,7 @@ class BatchWorker:
         cache = DynamicCache()
         out = self._forward(
             cache,
+            admit,
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
@@ -441,7 +458,7 @@ class BatchWorker:
         every row's last prompt token. Pad columns are masked out; position ids count real tokens.
         """
         matches = [
-            self.prefix_cache.match_parts(r.req.input_ids, len(r.req.input_ids) - 1) for r in admit
+            self.prefix_cache.match_parts(r.prompt_key, len(r.req.input_ids) - 1) for r in admit
         ]
         if any(n == 0 for n, _ in matches):  # evicted since it was looked up: prefill it whole
             self._prefill_group(
@@ -474,6 +491,7 @@ class BatchWorker:
         kv_state = BatchKV(buf, mask, 0, P)
         out = self._forward(
             kv_state.cache,
+            admit,
             input_ids=ids.to(self.device),
             attention_mask=mask[:, : P + S],
             position_ids=pos.to(self.device),
@@ -499,7 +517,7 @@ class BatchWorker:
         lengths = [len(r.req.input_ids) for r in admit]
         if self.prefix_cache.enabled:
             for i, r in enumerate(admit):
-                ids = r.req.input_ids
+                ids = r.prompt_key
                 have = (
                     self.prefix_cache.match_length(ids) if lengths[i] >= _MIN_PREFIX else len(ids)
                 )
@@ -656,7 +674,7 @@ class BatchWorker:
             r = self._running[i]
             if r.reason not in ("stop", "length") or r.kv_epoch != self.prefix_cache.epoch:
                 continue  # cancelled/aborted, or computed under weights the cache no longer holds
-            ids = list(r.req.input_ids) + r.out_tokens[:-1]  # the last token was never fed
+            ids = r.prompt_key + r.cache_key(r.out_tokens[:-1])  # the last one was never fed
             have = self.prefix_cache.match_length(ids)
             if have >= len(ids) or len(ids) < _MIN_PREFIX:
                 continue

@@ -351,6 +351,26 @@ def launch_servers(
     return group
 
 
+def lora_serving_args(cfg: ExperimentConfig) -> list[str]:
+    """SGLang's flags for serving the run's adapter policies by name (none without them):
+    LoRA on, memory sized for the largest rank, the union of their target modules, and room
+    for every adapter in one batch."""
+    shapes = [cfg.policy_actor(n).lora for n, p in cfg.policies.items() if p.is_adapter]
+    loras = [lora for lora in shapes if lora is not None]
+    if not loras:
+        return []
+    modules = sorted({m for lora in loras for m in lora.target_modules})
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max(lora.r for lora in loras)),
+        "--lora-target-modules",
+        *modules,
+        "--max-loras-per-batch",
+        str(max(8, len(loras))),
+    ]
+
+
 def launch_from_config(cfg: ExperimentConfig) -> ServerGroup:
     """Launch the servers described by ``cfg.engine.sglang`` for ``cfg.model``."""
     from areal_env.engine.models import ModelNotFoundError, resolve_model_path
@@ -367,6 +387,7 @@ def launch_from_config(cfg: ExperimentConfig) -> ServerGroup:
         args += ["--context-length", str(cfg.model.max_context_len)]
     if sg.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    args += lora_serving_args(cfg)
     args += list(sg.extra_args)
     return launch_servers(
         model_path,

@@ -22,6 +22,7 @@ import torch
 
 from areal_env.api.engine import PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
+from areal_env.engine.adapters import AdapterEngine, AdapterWeights
 from areal_env.engine.batch_worker import BatchWorker
 from areal_env.engine.grammar import GrammarCompiler, RowGrammar
 from areal_env.engine.json_end import JsonEnd
@@ -54,7 +55,8 @@ class LocalEngine:
 
     supports_state_dict_update = True
     supports_lora = True
-    """``update_weights(folder)`` also takes a peft LoRA adapter folder (merged into the base)."""
+    """``update_weights(folder)`` also takes a peft LoRA adapter folder (merged into the base);
+    named adapters (``load_adapter``) are served unmerged, each row with its own."""
 
     def __init__(
         self,
@@ -202,6 +204,26 @@ class LocalEngine:
         the new weights.
         """
         self.weights.update(weights)
+
+    # ------------------------------------------------------------------ named LoRA adapters
+    def load_adapter(self, name: str, weights: AdapterWeights | str | os.PathLike[str]) -> None:
+        """Load (or replace) LoRA adapter ``name`` (a peft adapter folder or ``AdapterWeights``):
+        requests naming it (``ModelRequest.adapter``) are decoded with it, in the same batches
+        as every other adapter's and the base model's. Swapped in between two decode steps;
+        the weight version is not moved (all adapters share the engine's clock)."""
+        self.weights.load_adapter(name, weights)
+
+    def unload_adapter(self, name: str) -> None:
+        self.weights.unload_adapter(name)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        adapters = self.worker.adapters
+        return adapters.names if adapters is not None else []
+
+    def adapter(self, name: str) -> AdapterEngine:
+        """Adapter ``name`` as an ``InferenceEngine`` of its own (see ``AdapterEngine``)."""
+        return AdapterEngine(self, name)
 
     def set_prefix_cache_mb(self, mb: float) -> None:
         """Resize (and empty) the prefix cache at a step boundary; 0 turns it off."""
@@ -379,5 +401,14 @@ class LocalEngine:
             close_margin=_close_margin(g.max_new_tokens) if grammar is not None else 0,
             top_logprobs=int(g.top_logprobs),
         )
+        if req.adapter is not None:
+            adapters = self.worker.adapters
+            if adapters is None or req.adapter not in adapters:
+                with self._rejected_lock:
+                    self._rejected += 1
+                loaded = ", ".join(self.adapter_names) or "none"
+                raise ValueError(f"no LoRA adapter named {req.adapter!r} is loaded ({loaded})")
+            r.adapter = adapters.slot(req.adapter)
+            r.key_offset = r.adapter * self.vocab_size
         self.worker.submit(r)
         return r

@@ -108,15 +108,23 @@ def load_adapter_folder(path: str | os.PathLike[str]) -> tuple[dict[str, torch.T
 
 
 def save_adapter_folder(
-    path: str | os.PathLike[str], adapter: dict[str, torch.Tensor], config: dict
+    path: str | os.PathLike[str],
+    adapter: dict[str, torch.Tensor],
+    config: dict,
+    name: str = "default",
 ) -> int:
-    """Write ``adapter`` (peft names, without the ``.default`` adapter name) + its config;
-    return the bytes written."""
+    """Write ``adapter`` (peft names; the adapter's own name, ``name``, is dropped from them as
+    peft's ``save_pretrained`` does) + its config; return the bytes written."""
     from safetensors.torch import save_file
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    tensors = {k.replace(".default.", "."): v.contiguous() for k, v in adapter.items()}
+    tensors = {
+        k.replace(f".lora_A.{name}.", ".lora_A.").replace(f".lora_B.{name}.", ".lora_B."): (
+            v.contiguous()
+        )
+        for k, v in adapter.items()
+    }
     save_file(tensors, str(p / ADAPTER_WEIGHTS))
     (p / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=list))
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file())

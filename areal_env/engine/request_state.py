@@ -44,6 +44,26 @@ class RequestState:
     close_margin: int = 0  # the budget's last tokens, where the grammar closes what is open
     top_logprobs: int = 0  # GenerationConfig.top_logprobs
     out_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    adapter: int = 0  # the row's LoRA adapter slot (engine.adapters.AdapterSet); 0 = the base
+    key_offset: int = 0
+    """Added to every token id of the row's prefix-cache keys (``slot * vocab``): KV computed
+    under one adapter is never reused under another (the keys of each adapter live in a range
+    of their own), while rows of the same adapter still share their prefixes."""
+    _prompt_key: list[int] | None = None
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """``ids`` as this row's prefix-cache key (``ids`` itself for the base weights)."""
+        if not self.key_offset:
+            return ids
+        off = self.key_offset
+        return [t + off for t in ids]
+
+    @property
+    def prompt_key(self) -> list[int]:
+        """The prompt's prefix-cache key (computed once)."""
+        if self._prompt_key is None:
+            self._prompt_key = self.cache_key(list(self.req.input_ids))
+        return self._prompt_key
 
 
 def allowed_tokens(

@@ -7,7 +7,10 @@ environment servers) runs anywhere.
 Endpoints (SGLang's names and shapes): ``/generate`` (JSON or ``stream: true`` SSE),
 ``/update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``,
 ``/update_weight_version``, ``/get_weight_version``, ``/abort_request``, ``/flush_cache``,
-``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``.
+``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``; with
+``--enable-lora`` also ``/load_lora_adapter`` and ``/unload_lora_adapter`` (named adapters, each
+request picks one with ``lora_path``; ``--lora-paths NAME=PATH`` loads some at start), served
+unmerged in shared batches (``engine.adapters``).
 
 Extension: ``meta_info.output_token_versions`` gives the weight version of every output token
 (SGLang itself reports one ``weight_version`` per answer).
@@ -31,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from areal_env.api.config import EngineConfig, ModelConfig
 from areal_env.api.engine import EngineUnavailableError, InferenceEngine, PromptTooLongError
 from areal_env.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_env.engine.adapters import AdapterHost
 from areal_env.engine.sglang_wire import BadRequest, parse_generate
 from areal_env.http import routes
 from areal_env.http.body import read_body, read_json
@@ -55,8 +59,17 @@ def _error(status: int, message: str) -> Response:
 class ServeState:
     """Pause flag, in-flight requests and weight-version label of one server."""
 
-    def __init__(self, engine: ServableEngine, *, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: ServableEngine,
+        *,
+        model_name: str | None = None,
+        adapters: AdapterHost | None = None,
+    ) -> None:
         self.engine = engine
+        self.adapters = adapters
+        """The engine as an adapter host when LoRA serving is on (``--enable-lora``)."""
+        self.adapter_paths: dict[str, str] = {}
         self.model_name = model_name or os.path.basename(str(engine.model_path).rstrip("/"))
         self.inflight: dict[str, asyncio.Future | None] = {}
         self.running = asyncio.Event()
@@ -152,14 +165,22 @@ class ServeState:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-def create_app(engine: ServableEngine, *, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app around an initialized engine (LocalEngine or anything with its API)."""
+def create_app(
+    engine: ServableEngine,
+    *,
+    model_name: str | None = None,
+    adapters: AdapterHost | None = None,
+) -> FastAPI:
+    """The FastAPI app around an initialized engine (LocalEngine or anything with its API).
+    ``adapters``: the same engine as an adapter host, to serve named LoRA adapters (SGLang's
+    ``--enable-lora``); ``None``: requests naming one are refused."""
     app = FastAPI(title="areal-env serve", openapi_url=None, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    state = ServeState(engine, model_name=model_name)
+    state = ServeState(engine, model_name=model_name, adapters=adapters)
     app.state.serve = state
     _generation_routes(app, state)
     _control_routes(app, state)
+    _adapter_routes(app, state)
     _info_routes(app, state)
     return app
 
@@ -277,6 +298,8 @@ def _generation_routes(app: FastAPI, state: ServeState) -> None:
             reqs, batched, return_logprob, stream = parse_generate(body, engine)
         except (ValueError, TypeError) as e:  # json errors are ValueErrors
             return _error(400, str(e))
+        if state.adapters is None and any(r.adapter is not None for r in reqs):
+            return _error(400, "LoRA serving is off: start the server with --enable-lora")
         if stream:
             return await _stream(state, reqs[0], return_logprob)
         try:
@@ -383,6 +406,63 @@ def _control_routes(app: FastAPI, state: ServeState) -> None:
         return Response("Cache flushed.\n", status_code=200)
 
 
+def _adapter_routes(app: FastAPI, state: ServeState) -> None:
+    """SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter`` (``LoRAUpdateOutput``
+    answers: ``success``, ``error_message``, ``loaded_adapters``; 400 on failure)."""
+
+    def answer(ok: bool, message: str | None = None) -> Response:
+        return json_response(
+            {
+                "success": ok,
+                "error_message": message,
+                "loaded_adapters": dict(state.adapter_paths),
+            },
+            200 if ok else 400,
+        )
+
+    async def body_of(request: Request) -> dict[str, Any] | Response:
+        if state.adapters is None:
+            return answer(False, "LoRA serving is off: start the server with --enable-lora")
+        body, refused = await _control_body(request)
+        if refused is not None:
+            return refused
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return answer(False, "'lora_name' must be a non-empty string")
+        return body
+
+    @app.post(routes.LOAD_LORA_ADAPTER)
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        name, path = body["lora_name"], body.get("lora_path")
+        if name in state.adapter_paths:
+            return answer(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        if not isinstance(path, str) or not os.path.isdir(path):
+            return answer(False, f"lora_path {path!r} is not an adapter folder")
+        assert state.adapters is not None
+        try:
+            await asyncio.to_thread(state.adapters.load_adapter, name, path)
+        except (ValueError, TypeError, OSError) as e:
+            return answer(False, f"Failed to load LoRA adapter {name}: {e}")
+        state.adapter_paths[name] = path
+        return answer(True)
+
+    @app.post(routes.UNLOAD_LORA_ADAPTER)
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        name = body["lora_name"]
+        if name not in state.adapter_paths:
+            return answer(False, f"LoRA adapter {name} is not loaded")
+        assert state.adapters is not None
+        await asyncio.to_thread(state.adapters.unload_adapter, name)
+        del state.adapter_paths[name]
+        return answer(True)
+
+
 def _info_routes(app: FastAPI, state: ServeState) -> None:
     """Health and model/server info."""
     engine = state.engine
@@ -428,6 +508,8 @@ def _info_routes(app: FastAPI, state: ServeState) -> None:
             "backend": "areal-env-local",
             "paused": not state.running.is_set(),
             "inflight": len(state.inflight),
+            "enable_lora": state.adapters is not None,
+            "loaded_adapters": dict(state.adapter_paths),
         }
         info["engine_stats"] = engine.stats()
         return json_response(info)
@@ -462,11 +544,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="initial weight version (an integer keeps per-token versions numeric)",
     )
     p.add_argument("--cache-dir", default=None)
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve named LoRA adapters (/load_lora_adapter; lora_path per request)",
+    )
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to load at start (implies --enable-lora)",
+    )
+    # SGLang's LoRA sizing flags: the embedded engine needs no pre-sized adapter memory.
+    for flag in ("--max-lora-rank", "--max-loras-per-batch", "--max-loaded-loras"):
+        p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lora-target-modules", nargs="*", default=None, help=argparse.SUPPRESS)
     # Accepted for command-line compatibility with `python -m sglang.launch_server`.
     p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _named_path(spec: str) -> tuple[str, str]:
+    """``NAME=PATH`` (or a bare PATH, named after its folder) of ``--lora-paths``."""
+    name, sep, path = spec.partition("=")
+    if not sep:
+        name, path = os.path.basename(spec.rstrip("/")), spec
+    if not name or not os.path.isdir(path):
+        raise ValueError(f"--lora-paths {spec!r}: expected NAME=PATH of an adapter folder")
+    return name, path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,11 +599,20 @@ def main(argv: list[str] | None = None) -> int:
         **{k: getattr(args, k) for k in ("device", "dtype", "cache_dir", "max_context_len")},
         num_threads=args.num_threads,
     )
+    try:
+        start_adapters = dict(_named_path(p) for p in args.lora_paths)
+    except ValueError as e:
+        print(f"areal-env serve: {e}", file=sys.stderr)
+        return 2
     engine = LocalEngine.from_config(model, EngineConfig(max_batch_size=args.max_batch_size))
     path = engine.model_path
     engine.initialize()
-    app = create_app(engine, model_name=args.served_model_name)
+    lora = args.enable_lora or bool(start_adapters)
+    app = create_app(engine, model_name=args.served_model_name, adapters=engine if lora else None)
     app.state.serve.set_weight_version(args.weight_version)
+    for name, folder in start_adapters.items():
+        engine.load_adapter(name, folder)
+        app.state.serve.adapter_paths[name] = folder
     host, port = sock.getsockname()[:2]
 
     def announce() -> None:

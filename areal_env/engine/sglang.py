@@ -26,6 +26,7 @@ import httpx
 
 from areal_env.api.engine import EngineUnavailableError, PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
+from areal_env.engine.adapters import AdapterEngine, AdapterError, AdapterWeights
 from areal_env.engine.routing import normalize_address
 from areal_env.engine.sglang_servers import RetryableHTTPError, ServerSet
 from areal_env.engine.sglang_wire import (
@@ -57,8 +58,9 @@ class SGLangEngine:
     """The trainer must save an HF folder and call ``update_weights(path)``."""
     supports_lora = False
     """True when the servers take a peft adapter folder on ``/update_weights_from_disk``
-    (``areal-env serve`` does): the trainer then pushes only the adapter. Real SGLang servers
-    load adapters through ``/load_lora_adapter`` instead (not wired yet): leave it False."""
+    (``areal-env serve`` does): the trainer then pushes only the adapter (merged there). Real
+    SGLang servers serve adapters by name instead (``load_adapter``, one per policy of a
+    multi-agent run): leave it False for them."""
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class SGLangEngine:
         self.owned = owned  # e.g. a launcher.ServerGroup: stopped by destroy()
         self._launch = launch  # called by initialize() when there is no server yet
         self._version = 0
+        self._adapters: dict[str, str] = {}  # name -> the folder every server loaded it from
         self._resumed = threading.Event()
         self._resumed.set()
         self._destroyed = False
@@ -458,6 +461,83 @@ class SGLangEngine:
                     if sys.exc_info()[0] is None:
                         raise
                     logger.exception("resume after the weight update failed")
+
+    # ------------------------------------------------------------------ named LoRA adapters
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def adapter(self, name: str) -> AdapterEngine:
+        """Adapter ``name`` as an ``InferenceEngine`` of its own (its requests carry
+        ``lora_path``; its ``update_weights`` replaces the adapter on every server)."""
+        return AdapterEngine(self, name)
+
+    def check_lora_serving(self) -> None:
+        """``AdapterError`` naming every server that was not started with LoRA serving on
+        (SGLang's ``--enable-lora``: its ``/get_server_info`` reports ``enable_lora``)."""
+        off = []
+        for addr in self.addresses:
+            try:
+                info = self.servers.client_sync().get(f"http://{addr}{routes.GET_SERVER_INFO}")
+                enabled = bool(info.json().get("enable_lora")) if info.is_success else False
+            except (httpx.TransportError, ValueError, AttributeError):
+                enabled = False
+            if not enabled:
+                off.append(addr)
+        if off:
+            raise AdapterError(
+                f"inference server(s) {', '.join(off)} do not serve LoRA adapters: start them "
+                "with --enable-lora --max-lora-rank R --lora-target-modules M... (engine."
+                "backend=sglang launches them so for adapter policies), or give the policies "
+                "models of their own"
+            )
+
+    def load_adapter(self, name: str, weights: AdapterWeights | str | os.PathLike[str]) -> None:
+        """Load (or replace) adapter ``name`` on every server from a peft adapter folder they
+        can read (``/load_lora_adapter``; a loaded name is unloaded first, since SGLang refuses
+        to load a name twice). Generation is paused meanwhile: requests of the adapter are
+        aborted and continued on the new weights, as for a full weight update; the weight
+        version is the caller's to move."""
+        if not isinstance(weights, (str, os.PathLike)):
+            raise TypeError(
+                "SGLang servers load adapters from disk: pass the adapter folder "
+                "(adapter_config.json + adapter_model.safetensors)"
+            )
+        path = os.fspath(weights)
+        was_paused = not self._resumed.is_set()
+        if not was_paused:
+            self.pause()
+        try:
+            if name in self._adapters:
+                try:
+                    self.servers.broadcast(
+                        routes.UNLOAD_LORA_ADAPTER, {"lora_name": name}, drop_unreachable=True
+                    )
+                except ValueError as e:  # e.g. a restarted server that never had it
+                    logger.info("unloading adapter %r before its new version: %s", name, e)
+            results = self.servers.broadcast(
+                routes.LOAD_LORA_ADAPTER,
+                {"lora_name": name, "lora_path": path},
+                drop_unreachable=True,
+            )
+            for addr, res in zip(self.addresses, results, strict=True):
+                if isinstance(res, dict) and res.get("success") is False:
+                    raise RuntimeError(
+                        f"server {addr} failed to load adapter {name!r} from {path}: "
+                        f"{res.get('error_message') or res.get('message')}"
+                    )
+            self._adapters[name] = path
+            logger.info("adapter %r from %s loaded on %d server(s)", name, path, len(results))
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise AdapterError(f"no LoRA adapter named {name!r} is loaded")
+        self.servers.broadcast(routes.UNLOAD_LORA_ADAPTER, {"lora_name": name})
+        del self._adapters[name]
 
     def get_version(self) -> int:
         return self._version

@@ -16,6 +16,11 @@ Protocol used (SGLang's ``http_server.py``):
   re-submit prompt + those tokens after the pause, so no completion is lost.
 - ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` → ``{"success", "message"}``.
 - ``POST /update_weight_version``, ``GET /health``, ``GET /get_model_info``.
+- LoRA adapters (servers started with ``--enable-lora``): ``POST /load_lora_adapter``
+  ``{"lora_name", "lora_path"}`` and ``POST /unload_lora_adapter`` ``{"lora_name"}`` →
+  ``{"success", "error_message", "loaded_adapters"}`` (400 on failure; a name already loaded is
+  refused, so a new version is unloaded first); a ``/generate`` body's ``lora_path`` names the
+  loaded adapter that answers it.
 """
 
 from __future__ import annotations
@@ -159,6 +164,8 @@ def generate_payload(req: ModelRequest, prefix: list[int], remaining: int, n: in
     }
     if req.gconfig.top_logprobs:
         payload["top_logprobs_num"] = int(req.gconfig.top_logprobs)
+    if req.adapter is not None:
+        payload["lora_path"] = req.adapter  # the name of a loaded adapter (/load_lora_adapter)
     return payload
 
 
@@ -257,6 +264,19 @@ def _check_ids(ids: Any, vocab: int | None) -> None:
         )
 
 
+def _lora_paths(value: Any, n: int, batched: bool) -> list[str | None]:
+    """``lora_path`` of a ``/generate`` body, one per prompt: a loaded adapter's name (or a
+    list of them, one per prompt of a batch); ``None``/absent = the base model."""
+    if value is None:
+        return [None] * n
+    if isinstance(value, str):
+        return [value or None] * n
+    if batched and isinstance(value, list) and len(value) == n:
+        if all(v is None or isinstance(v, str) for v in value):
+            return [v or None for v in value]
+    raise BadRequest("lora_path must be an adapter name (or, batched, one name or null per prompt)")
+
+
 def parse_generate(
     body: Any, engine: InferenceEngine
 ) -> tuple[list[ModelRequest], bool, bool, bool]:
@@ -290,13 +310,15 @@ def parse_generate(
             raise BadRequest("batched sampling_params / rid must match the number of prompts")
     else:
         sps, rids = [sp], [rids]
+    loras = _lora_paths(body.get("lora_path"), len(input_ids), batched)
     vocab = _vocab_size(engine)
     reqs = []
-    for ids, p, rid in zip(input_ids, sps, rids, strict=True):
+    for ids, p, rid, lora in zip(input_ids, sps, rids, loras, strict=True):
         _check_ids(ids, vocab)
         kwargs: dict[str, Any] = {
             "input_ids": list(ids),
             "gconfig": gconfig_from_sampling_params(p),
+            "adapter": lora,
         }
         if rid:
             kwargs["rid"] = str(rid)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from areal_env.engine.adapters import AdapterError, AdapterSet, AdapterWeights
 from areal_env.engine.batch_worker import BatchWorker
 from areal_env.engine.lora import (
     apply_adapter,
@@ -54,6 +55,40 @@ class WeightUpdater:
                 self.worker.version,
                 time.perf_counter() - t0,
             )
+
+    def load_adapter(self, name: str, weights: AdapterWeights | str | os.PathLike[str]) -> None:
+        """Load (or replace) the named adapter ``name``, served unmerged to the rows that ask
+        for it (``ModelRequest.adapter``), between two decode steps. The weight version is not
+        moved: the caller sets it (every policy on this engine shares the clock)."""
+        if isinstance(weights, AdapterWeights):
+            tensors, cfg = weights.tensors, weights.config
+        elif isinstance(weights, (str, os.PathLike)) and is_adapter_folder(weights):
+            tensors, cfg = load_adapter_folder(weights)
+        else:
+            raise TypeError(
+                f"load_adapter takes a peft adapter folder or AdapterWeights, got {weights!r}"
+            )
+        with self.worker.at_step_boundary():
+            t0 = time.perf_counter()
+            if self.worker.adapters is None:
+                self.worker.adapters = AdapterSet(self.worker.model)
+            n = self.worker.adapters.load(name, tensors, cfg)
+            self.worker.adapters_changed()
+            logger.info(
+                "LoRA adapter %r loaded on %d layers in %.2fs (%d adapters)",
+                name,
+                n,
+                time.perf_counter() - t0,
+                len(self.worker.adapters),
+            )
+
+    def unload_adapter(self, name: str) -> None:
+        """Remove the named adapter between two decode steps (``AdapterError`` if unknown)."""
+        with self.worker.at_step_boundary():
+            if self.worker.adapters is None:
+                raise AdapterError(f"no LoRA adapter named {name!r} is loaded (loaded: none)")
+            self.worker.adapters.remove(name)
+            self.worker.adapters_changed()
 
     def _apply_adapter(self, path: str) -> None:
         """Merge a LoRA adapter into the weights: ``W = W_base + (alpha / r) * B @ A``, always

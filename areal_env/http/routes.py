@@ -42,6 +42,8 @@ FLUSH_CACHE = "/flush_cache"
 HEALTH_GENERATE = "/health_generate"
 GET_MODEL_INFO = "/get_model_info"
 GET_SERVER_INFO = "/get_server_info"
+LOAD_LORA_ADAPTER = "/load_lora_adapter"
+UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
 
 OPENAI_PREFIX = "/v1"
 

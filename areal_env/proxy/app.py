@@ -127,40 +127,39 @@ def _info_routes(app: FastAPI, state: ProxyState) -> None:
         creq = anthropic.parse_request(
             {"max_tokens": 1, **(await read_json(request, object_only=True))}
         )
+        renderer = state.routes.route(creq.model).renderer
         try:
-            ids = state.renderer.render_prompt(creq.messages, creq.tools, creq.tool_choice)
+            ids = renderer.render_prompt(creq.messages, creq.tools, creq.tool_choice)
         except RenderError as e:
             raise bad_request(str(e)) from None
         return json_response({"input_tokens": len(ids)})
 
+    def served() -> list[str]:
+        """The policies (a multi-agent run), else the one model name."""
+        return state.routes.names or [state.model_name]
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(state.started_at),
+            "owned_by": "areal-env",
+        }
+
     @app.get(routes.MODELS)
     async def models() -> Response:
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": state.model_name,
-                        "object": "model",
-                        "created": int(state.started_at),
-                        "owned_by": "areal-env",
-                    }
-                ],
-            }
-        )
+        return json_response({"object": "list", "data": [model_card(n) for n in served()]})
 
     @app.get(routes.MODELS + "/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name:
-            raise HTTPError(404, f"model {model_id!r} not found (serving {state.model_name!r})")
-        return json_response(
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": int(state.started_at),
-                "owned_by": "areal-env",
-            }
-        )
+        if model_id not in served():
+            raise HTTPError(
+                404,
+                f"model {model_id!r} not found (serving {', '.join(served())})",
+                param="model",
+                code="model_not_found",
+            )
+        return json_response(model_card(model_id))
 
     @app.get(routes.HEALTH)
     async def health() -> Response:
@@ -327,6 +326,7 @@ def _interaction_summary(
     out: dict[str, Any] = {
         "id": it.id,
         "parent_id": it.parent_id,
+        "policy": it.policy,
         "reward": it.reward,
         "stop_reason": it.stop_reason,
         "spliced": it.spliced,
@@ -340,7 +340,7 @@ def _interaction_summary(
         "tool_parse_error": bool(it.extra.get("tool_parse_error")),
     }
     if include_text:
-        dec = state.tokenizer.decode
+        dec = state.routes.of_policy(it.policy).tokenizer.decode
         out["prompt_text"] = dec(it.prompt_ids, skip_special_tokens=False)
         out["completion_text"] = dec(it.output_ids, skip_special_tokens=False)
         out["messages"] = _new_messages(it, cache)

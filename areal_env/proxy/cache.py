@@ -66,6 +66,9 @@ class Interaction:
     output_versions: list[int]
     stop_reason: str
     parent_id: str | None = None
+    policy: str | None = None
+    """The policy that produced it (the request's ``model``, in a multi-agent run); ``None``
+    for a proxy without policies."""
     reward: float | None = None
     spliced: bool = False
     created_at: float = field(default_factory=time.time)
@@ -421,6 +424,11 @@ class InteractionCache:
         logprobs/versions kept; prompt, tool and user tokens masked out. A child rendered from
         scratch (the agent edited history) does not continue its parent's tokens, so its parent
         ends a row of its own. Each row's reward is its end interaction's discounted reward.
+
+        Every row names its ``policy`` (the end interaction's) and trains only that policy's
+        tokens: in a conversation handed between policies, another policy's outputs are prompt
+        to this row (masked out), and a ``concat`` row continues only through outputs of its own
+        policy; an output that no later output of its policy continues ends a row of its own.
         """
         if style not in ("individual", "concat"):
             raise ValueError(f"export style must be 'individual' or 'concat', got {style!r}")
@@ -429,7 +437,12 @@ class InteractionCache:
             items = list(self._items.values())
             if style == "individual":
                 return {it.id: self._row(it, [], rewards[it.id]) for it in items}
-            continued = {it.parent_id for it in items if it.spliced}
+            continued = {
+                ancestor
+                for it in items
+                for _, _, ancestor in it.extra.get("spans", [])
+                if self._items[ancestor].policy == it.policy
+            }
             return {
                 it.id: self._row(it, it.extra.get("spans", []), rewards[it.id])
                 for it in items
@@ -448,6 +461,8 @@ class InteractionCache:
         explored = bool(it.extra.get("explored"))
         for start, length, ancestor_id in spans:
             anc = self._items[ancestor_id]
+            if anc.policy != it.policy:
+                continue  # another policy's output: prompt to this row
             explored = explored or bool(anc.extra.get("explored"))
             loss_mask[start : start + length] = _trained(anc)
             logprobs[start : start + length] = anc.output_logprobs
@@ -468,4 +483,5 @@ class InteractionCache:
             "temperature": temps if temps is not None else t_end,
             # Some trained token was picked by gconfig.choice_exploration, not by the model.
             "explored": explored,
+            "policy": it.policy,
         }

@@ -32,13 +32,12 @@ from areal_env.api.io import (
 from areal_env.engine.grammar import ConstraintError, schema_error
 from areal_env.http.errors import HTTPError, bad_request
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
+from areal_env.proxy.policies import PolicyEndpoint, PolicyRoute, PolicyRoutes, make_route
 from areal_env.proxy.protocols.common import (
-    DEFAULT_TOOL_MARKERS,
     Answer,
     CompletionRequest,
     StreamWriter,
     TextStream,
-    TokenTexts,
     content_remainder,
     truncate_at_stop,
 )
@@ -55,6 +54,8 @@ class Prepared:
 
     session: Session
     creq: CompletionRequest
+    route: PolicyRoute
+    """The policy that answers (its engine and renderer)."""
     prompt_ids: list[int]
     parent: Interaction | None
     gconfig: GenerationConfig
@@ -65,7 +66,13 @@ class Prepared:
 
 
 class ProxyState:
-    """Everything the routes share: engine, renderer, sessions, counters."""
+    """Everything the routes share: engine, renderer, sessions, counters.
+
+    ``policies``: a multi-agent run's policies by name (each its engine and tokenizer): a
+    request's ``model`` field picks one (see ``proxy.policies``). Without them the proxy serves
+    ``engine`` under any model name. ``engine`` and ``tokenizer`` are the run's base model
+    either way (health, the default renderer).
+    """
 
     def __init__(
         self,
@@ -78,15 +85,27 @@ class ProxyState:
         renderer: ChatRenderer | None = None,
         max_context_len: int | None = None,
         train_gconfig: GenerationConfig | None = None,
+        policies: dict[str, PolicyEndpoint] | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
         self.engine = engine
         self.tokenizer = tokenizer
         self.train_gconfig = train_gconfig
         """The trainer's sampling parameters (``proxy.sampling: trainer``); None: the agent's."""
-        self.renderer = renderer or ChatRenderer(
-            tokenizer, self.config.tool_parser, worked_example=self.config.worked_example
+        default = make_route(
+            None,
+            engine,
+            tokenizer,
+            self.config,
+            renderer=renderer,
+            key=None if policies else "",  # a digest only when there is something to compare
         )
+        self.routes = (
+            PolicyRoutes.build(default, policies, self.config)
+            if policies
+            else PolicyRoutes(default)
+        )
+        self.renderer = default.renderer
         self.model_name = (
             model_name or self.config.model_name or str(engine.model_path or "default")
         )
@@ -110,13 +129,6 @@ class ProxyState:
             initial_capacity=cfg.initial_capacity,
             rate_limit=cfg.rate_limit(),
         )
-        self.token_texts = TokenTexts(tokenizer)
-        self._skip_ids = frozenset(self.renderer.stop_token_ids) | frozenset(engine.eos_token_ids)
-        parser = self.renderer.parser
-        marker = getattr(parser, "open_tag", None) or getattr(parser, "marker", None)
-        self.tool_markers = (
-            (marker,) if isinstance(marker, str) and marker else DEFAULT_TOOL_MARKERS
-        )
         self.started_at = time.time()
         self.counters = {"requests": 0, "errors": 0, "streams": 0}
 
@@ -124,7 +136,9 @@ class ProxyState:
     def prepare(
         self, session: Session, creq: CompletionRequest, protocol: str, id_prefix: str
     ) -> Prepared:
-        """Find the parent, build the prompt ids (spliced when possible), check the bounds."""
+        """Pick the policy, find the parent, build the prompt ids (spliced when possible), check
+        the bounds."""
+        route = self.routes.route(creq.model)
         cache = session.cache
         if cache.max_interactions is not None and len(cache) >= cache.max_interactions:
             raise HTTPError(
@@ -133,10 +147,13 @@ class ProxyState:
                 code="session_limit",
             )
         parent = cache.find_parent(creq.messages)
-        prompt_ids = self._render(session, creq, parent)
+        if parent is not None and self.routes.named:
+            self.routes.check_continuation(route, parent.policy)
+        prompt_ids = self._render(route.renderer, session, creq, parent)
         n_prompt = len(prompt_ids)
-        if n_prompt + 1 > self.max_context_len:
-            raise context_error(protocol, n_prompt, self.max_context_len)
+        context_len = self._context_len(route)
+        if n_prompt + 1 > context_len:
+            raise context_error(protocol, n_prompt, context_len)
         if cache.max_tokens is not None and cache.total_tokens + n_prompt + 1 > cache.max_tokens:
             raise HTTPError(
                 413,
@@ -153,10 +170,10 @@ class ProxyState:
             max_tokens=creq.max_tokens,
             default_max_tokens=self.config.default_max_tokens,
         )
-        max_new = max(1, min(sampling.max_new_tokens, self.max_context_len - n_prompt))
-        constraint = self.constraint(creq)
+        max_new = max(1, min(sampling.max_new_tokens, context_len - n_prompt))
+        constraint = self.constraint(creq, route.renderer)
         required = (
-            self.renderer.required_call(creq.tools, creq.tool_choice)
+            route.renderer.required_call(creq.tools, creq.tool_choice)
             if self.config.constrain_required and creq.parse_tools and constraint is None
             else None
         )
@@ -168,7 +185,7 @@ class ProxyState:
                 top_k=sampling.top_k,
                 greedy=sampling.greedy,
                 stop=_with_call_stop(creq.stop, required.stop if required else []),
-                stop_token_ids=list(self.renderer.stop_token_ids),
+                stop_token_ids=list(route.renderer.stop_token_ids),
                 seed=creq.seed,
                 prefix_choices=required.choices if required else None,
                 choice_exploration=sampling.choice_exploration if required else 0.0,
@@ -181,6 +198,7 @@ class ProxyState:
         return Prepared(
             session=session,
             creq=creq,
+            route=route,
             prompt_ids=prompt_ids,
             parent=parent,
             gconfig=gconfig,
@@ -190,7 +208,7 @@ class ProxyState:
             started=time.perf_counter(),
         )
 
-    def constraint(self, creq: CompletionRequest) -> Constraint | None:
+    def constraint(self, creq: CompletionRequest, renderer: ChatRenderer) -> Constraint | None:
         """What constrained decoding holds the reply to: the requested output format (JSON, a
         schema) and strict tools' arguments inside the model family's call format; None when
         the request asks for neither. Schemas that cannot be honoured are a 400 naming the
@@ -216,15 +234,26 @@ class ProxyState:
                     )
         answer = fmt.schema if fmt is not None else None
         if tools and (strict or fmt is not None):
-            grammar = self.renderer.call_grammar(tools, creq.tool_choice, answer)
+            grammar = renderer.call_grammar(tools, creq.tool_choice, answer)
             if grammar:
                 return Constraint("grammar", grammar)
         if answer is not None:
             return Constraint("json_schema", json.dumps(answer, ensure_ascii=False))
         return None
 
+    def _context_len(self, route: PolicyRoute) -> int:
+        """Prompt + completion tokens the route's engine takes (the proxy's bound for the base
+        model, and any other engine's own)."""
+        if route.engine is self.engine or not route.engine.max_context_len:
+            return self.max_context_len
+        return min(self.max_context_len, int(route.engine.max_context_len))
+
     def _render(
-        self, session: Session, creq: CompletionRequest, parent: Interaction | None
+        self,
+        renderer: ChatRenderer,
+        session: Session,
+        creq: CompletionRequest,
+        parent: Interaction | None,
     ) -> list[int]:
         """Prompt ids for ``creq``: spliced onto ``parent``'s exact tokens when the new messages
         only extend it, rendered afresh otherwise (counted as a re-render)."""
@@ -240,16 +269,16 @@ class ProxyState:
                         parent.output_message,
                         *messages[n:],
                     ]
-                    prompt_ids = self.renderer.render_extension(
+                    prompt_ids = renderer.render_extension(
                         parent, messages[n:], creq.tools, creq.tool_choice
                     )
                 else:
                     session.stats.re_renders += 1
-                    prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+                    prompt_ids = renderer.render_prompt(messages, creq.tools, creq.tool_choice)
             else:
                 if any(m.get("role") == "assistant" for m in messages):
                     session.stats.re_renders += 1  # history we did not produce, or edited
-                prompt_ids = self.renderer.render_prompt(messages, creq.tools, creq.tool_choice)
+                prompt_ids = renderer.render_prompt(messages, creq.tools, creq.tool_choice)
         except RenderError as e:
             raise bad_request(str(e), "messages") from None
         return prompt_ids
@@ -262,7 +291,7 @@ class ProxyState:
             gconfig=prep.gconfig,
             rid=prep.interaction_id,
             metadata={"session_id": prep.session.id},
-        )
+        )  # the route's engine (an adapter's) names its adapter itself
 
     # ---- engine result → recorded interaction ------------------------------------------------
     def record(self, prep: Prepared, result: ModelResponse, model: str = "") -> Answer:
@@ -272,7 +301,7 @@ class ProxyState:
             if not result.output_tokens:
                 raise HTTPError(503, "generation was aborted (engine stopping or paused); retry")
             stop_reason = "length"
-        parsed = self.renderer.parse_output(
+        parsed = prep.route.renderer.parse_output(
             list(result.output_tokens), stop_reason, creq.tools, creq.tool_choice
         )
         content, stop_hit = truncate_at_stop(parsed.content, creq.stop)
@@ -304,6 +333,7 @@ class ProxyState:
             output_versions=list(result.output_versions),
             stop_reason=finish,
             parent_id=prep.parent.id if prep.parent is not None else None,
+            policy=prep.route.name,
             extra={
                 "protocol": prep.protocol,
                 "engine_stop_reason": result.stop_reason,
@@ -373,14 +403,17 @@ class ProxyState:
             preps = self.choices(prep)
             with self.engine_errors(prep):
                 results = await asyncio.gather(
-                    *(self.engine.agenerate(self.model_request(p)) for p in preps)
+                    *(prep.route.engine.agenerate(self.model_request(p)) for p in preps)
                 )
             answers = []
             for p, result in zip(preps, results, strict=True):
                 done = self.record(p, result, model)
                 if prep.creq.logprobs:
                     done.logprobs = self.logprob_entries(
-                        result.output_tokens, result.output_logprobs, result.output_top_logprobs
+                        prep.route,
+                        result.output_tokens,
+                        result.output_logprobs,
+                        result.output_top_logprobs,
                     )
                 answers.append(done)
             first = answers[0]
@@ -392,12 +425,13 @@ class ProxyState:
 
     def logprob_entries(
         self,
+        route: PolicyRoute,
         ids: list[int],
         logprobs: list[float],
         tops: list[list[tuple[int, float]]] | None = None,
     ) -> list[dict[str, Any]]:
-        keep = [i for i, t in enumerate(ids[: len(logprobs)]) if t not in self._skip_ids]
-        return self.token_texts.logprob_entries(
+        keep = [i for i, t in enumerate(ids[: len(logprobs)]) if t not in route.skip_ids]
+        return route.token_texts.logprob_entries(
             [ids[i] for i in keep],
             [logprobs[i] for i in keep],
             [tops[i] for i in keep] if tops is not None and len(tops) == len(ids) else None,
@@ -408,7 +442,7 @@ class ProxyState:
         self, prep: Prepared
     ) -> tuple[AsyncGenerator[StreamChunk, None], StreamChunk]:
         """Start the engine stream and wait for its first chunk, so errors still get a status."""
-        agen = self.engine.agenerate_stream(self.model_request(prep))
+        agen = prep.route.engine.agenerate_stream(self.model_request(prep))
         prep.session.in_flight += 1
         try:
             with self.engine_errors(prep):
@@ -431,23 +465,25 @@ class ProxyState:
         """Run one stream: text deltas as tokens arrive, then calls, finish and usage events,
         written by the protocol's ``writer``."""
         self.counters["streams"] += 1
-        creq = prep.creq
+        creq, route = prep.creq, prep.route
         try:
             yield writer.start()
             ts = TextStream(
-                self.tokenizer,
-                skip_ids=self._skip_ids,
-                tool_markers=self.tool_markers if creq.parse_tools else (),
+                route.tokenizer,
+                skip_ids=route.skip_ids,
+                tool_markers=route.tool_markers if creq.parse_tools else (),
                 stop=creq.stop,
             )
-            if creq.parse_tools and self.renderer.prefill_text(creq.tools, creq.tool_choice):
+            if creq.parse_tools and route.renderer.prefill_text(creq.tools, creq.tool_choice):
                 ts.in_tool_call = True  # the prompt already opened a call
             pending_lp: list[dict[str, Any]] = []
             chunk = first
             while True:
                 if creq.logprobs and chunk.token_ids:
                     pending_lp.extend(
-                        self.logprob_entries(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                        self.logprob_entries(
+                            route, chunk.token_ids, chunk.logprobs, chunk.top_logprobs
+                        )
                     )
                 text = ts.add(chunk.token_ids)
                 if text:
@@ -492,6 +528,7 @@ class ProxyState:
         return {
             "status": "ok",
             "model": self.model_name,
+            "policies": self.routes.names,
             "sessions": self.registry.live_sessions,
             "sessions_held": len(self.registry),
             "sessions_started": self.registry.total_started,

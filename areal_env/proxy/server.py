@@ -23,6 +23,7 @@ from areal_env.http import routes
 from areal_env.http.net import is_loopback, url_host
 from areal_env.http.runner import ServerThread
 from areal_env.proxy.app import ProxyState, create_app
+from areal_env.proxy.policies import PolicyEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class ProxyServer:
     """The interception proxy on ``engine``: ``with ProxyServer(engine, tok) as p: p.base_url``.
 
     ``freeze_gc``: call :func:`freeze_startup_heap` when starting (default on).
+    ``policies``: a multi-agent run's policies by name; a request's ``model`` picks one
+    (``proxy.policies``). Without them ``engine`` answers every model name.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class ProxyServer:
         renderer: Any = None,
         freeze_gc: bool = True,
         train_gconfig: Any = None,
+        policies: dict[str, PolicyEndpoint] | None = None,
     ) -> None:
         self.freeze_gc = freeze_gc
         self.config = config or ProxyConfig()
@@ -96,6 +100,7 @@ class ProxyServer:
             model_name=model_name,
             renderer=renderer,
             train_gconfig=train_gconfig,
+            policies=policies,
         )
         self.app = create_app(self.state)
         self._runner = ServerThread(

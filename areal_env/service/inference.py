@@ -6,6 +6,10 @@ mode: a model call without a session runs in a throwaway session that is closed 
 the answer, so nothing accumulates and nothing is trained. The same agent code (``OPENAI_BASE_URL``
 + ``/v1``) that trained the model now uses it. Sessions (``AgentSession``) still work, which
 keeps multi-turn token-exact prompts for agents that want them.
+
+A checkpoint of a multi-agent run (``policies:``) is served with every policy under its name:
+the request's ``model`` picks one (``/v1/models`` lists them, an unknown name is a 404), the
+adapter policies on one engine of the base model, each model of its own on its own engine.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_env.api.service_config import ServiceConfig
 from areal_env.service.lifecycle import ServiceStack
+
+if TYPE_CHECKING:
+    from areal_env.engine.policies import PolicyEngines
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +34,22 @@ SERVING = "areal-env serving {model} at {url}"
 
 
 def resolve_checkpoint(target: str | Path) -> Path:
-    """The HF model folder for ``target``: a run dir (newest checkpoint), a checkpoint
-    ``step_N`` folder, or an HF folder itself."""
+    """What to serve for ``target`` (a run dir: its newest checkpoint, a checkpoint ``step_N``
+    folder, or an HF folder itself): the HF model folder, or for a multi-agent run the
+    ``step_N`` folder that holds its policies."""
+    from areal_env.engine.policies import saved_policies
+
     path = Path(target)
     if (path / "config.json").is_file():
         return path
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
+    if (path / "model" / "config.json").is_file() or saved_policies(path):
+        return path / "model" if (path / "model" / "config.json").is_file() else path
     ckpt_root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     from areal_env.trainer.checkpoint import MODEL_DIR, latest_checkpoint
 
     latest = latest_checkpoint(ckpt_root)
+    if latest is not None and saved_policies(latest):
+        return latest
     if latest is None or not (latest / MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(
             f"no trained checkpoint under {str(path)!r} (expected checkpoints/step_N/model)"
@@ -50,6 +62,8 @@ def model_name_of(model_dir: Path) -> str:
     parts = model_dir.resolve().parts
     if len(parts) >= 5 and parts[-1] == "model" and parts[-3] == "checkpoints":
         return f"{parts[-5]}/{parts[-4]}@{parts[-2]}"
+    if len(parts) >= 4 and parts[-2] == "checkpoints":  # a multi-agent run's step folder
+        return f"{parts[-4]}/{parts[-3]}@{parts[-1]}"
     return model_dir.name
 
 
@@ -73,12 +87,24 @@ class InferenceService(ServiceStack):
         self.default_max_tokens = default_max_tokens
         self.proxy: Any = None
         self.gateway: Any = None
+        self.engines: PolicyEngines | None = None
+        """A multi-agent checkpoint's engines (every policy's)."""
 
     def _start_parts(self) -> None:
         from areal_env.api.config import ProxyConfig
+        from areal_env.engine.policies import saved_policies
+        from areal_env.proxy.policies import PolicyEndpoint
         from areal_env.proxy.server import ProxyServer
         from areal_env.service.gateway import GatewayServer
 
+        policies = None
+        if saved_policies(self.model_dir):
+            self.engines = _checkpoint_engines(self.model_dir, self.max_batch_size)
+            self.engine, self._own_engine = self.engines.base, False  # the set stops it
+            policies = {
+                name: PolicyEndpoint(engine, self.engines.tokenizer(name))
+                for name, engine in self.engines.routes.items()
+            }
         if self.engine is None:
             from areal_env.engine.local import LocalEngine
 
@@ -91,7 +117,11 @@ class InferenceService(ServiceStack):
             session_ttl=600.0,
         )
         self.proxy = ProxyServer(
-            self.engine, self.engine.tokenizer, pcfg, model_name=model_name_of(self.model_dir)
+            self.engine,
+            self.engine.tokenizer,
+            pcfg,
+            model_name=model_name_of(self.model_dir),
+            policies=policies,
         ).start()
         self.gateway = GatewayServer(
             self.service,
@@ -104,6 +134,31 @@ class InferenceService(ServiceStack):
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
+        if self.engines is not None:
+            self.engines.destroy()
+            self.engines = self.engine = None
+
+
+def _checkpoint_engines(step_dir: Path, max_batch_size: int) -> PolicyEngines:
+    """Every policy of a multi-agent checkpoint on the embedded engine: the base model it was
+    trained on (its trainer state says which) with the adapters, and the models of their own."""
+    import json
+
+    from areal_env.api.config import EngineConfig, ExperimentConfig, ModelConfig
+    from areal_env.engine.policies import PolicyEngines
+
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    base = state.get("base_model_path") or state["model_path"]
+    cfg = ExperimentConfig(
+        model=ModelConfig(path=str(base)), engine=EngineConfig(max_batch_size=max_batch_size)
+    )
+    engines = PolicyEngines.from_checkpoint(cfg, step_dir)
+    try:
+        engines.initialize()
+    except BaseException:
+        engines.destroy()
+        raise
+    return engines
 
 
 def serve_checkpoint(

@@ -97,6 +97,9 @@ class TrainingService(ServiceStack):
         self.service = service
         self.engine = engine
         self._own_engine = engine is None
+        self.engines: Any = None
+        """With ``policies:``: every policy's engine (``PolicyEngines``; ``engine`` is their
+        base); the proxies route each request's ``model`` to its policy."""
         self.proxies: list[Any] = []
         self.gateway: Any = None
         self.source: Any = None
@@ -133,6 +136,9 @@ class TrainingService(ServiceStack):
         step, version = resume_point(self.cfg)
         self.resumed_step = step
         self.source.load(step, trainer_version=version)
+        endpoints = None
+        if self.cfg.policies:
+            endpoints = self._start_policy_engines()
         if self.engine is None:
             self.engine = create_engine(self.cfg)
             self.engine.initialize()
@@ -144,10 +150,25 @@ class TrainingService(ServiceStack):
             pcfg = dataclasses.replace(
                 self.cfg.proxy, host="127.0.0.1", port=0, model_name=model_name
             )
-            proxy = ProxyServer(self.engine, tokenizer, pcfg).start()
+            proxy = ProxyServer(self.engine, tokenizer, pcfg, policies=endpoints).start()
             self.proxies.append(proxy)
             self.gateway.add_backend(proxy.base_url, proxy.admin_key)
         self.gateway.start()
+
+    def _start_policy_engines(self) -> dict[str, Any]:
+        """Every policy's engine (the base one made here unless passed in), adapter policies
+        answered by the base weights until the trainer pushes their adapters."""
+        from areal_env.engine.policies import PolicyEngines
+        from areal_env.proxy.policies import PolicyEndpoint
+
+        self.engines = PolicyEngines.from_config(self.cfg, base=self.engine)
+        self.engines.initialize()
+        self.engines.load_untrained_adapters()
+        self.engine, self._own_engine = self.engines.base, False  # the set stops it
+        return {
+            name: PolicyEndpoint(engine, self.engines.tokenizer(name))
+            for name, engine in self.engines.routes.items()
+        }
 
     def _stop_backends(self) -> None:
         if self.source is not None:
@@ -155,6 +176,9 @@ class TrainingService(ServiceStack):
         for p in self.proxies:
             p.stop()
         self.proxies = []
+        if self.engines is not None:
+            self.engines.destroy()
+            self.engines = self.engine = None
 
     def stop(self) -> None:
         super().stop()
@@ -172,7 +196,7 @@ def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> PPOTrainer:
     return PPOTrainer(
         cfg,
         source=source,
-        engine=svc.engine,
+        engine=svc.engines if svc.engines is not None else svc.engine,
         on_checkpoint=lambda step, _path: source.commit(step),
     )
 

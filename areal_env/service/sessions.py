@@ -19,10 +19,11 @@ import httpx
 from areal_env_client import SESSION_HEADER
 from fastapi import Request
 
-from areal_env.api.service_config import ServiceConfig, is_loopback
+from areal_env.api.service_config import ServiceConfig
 from areal_env.http import routes
 from areal_env.http.body import request_key
 from areal_env.http.errors import HTTPError
+from areal_env.http.net import is_loopback
 from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, BackendPool
 from areal_env.service.store import ServiceStore, open_store

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
 
-from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
+from areal_env.api.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
 from areal_env.trainer import memory
 from areal_env.trainer.actor_lora import (
     apply_lora,
@@ -85,7 +86,15 @@ logger = logging.getLogger(__name__)
 
 class PPOActor:
     """Owns the trainer's copy of the policy (separate from the inference engine's), the
-    optimiser and, when ``kl_coef > 0``, a frozen reference copy."""
+    optimiser and, when ``kl_coef > 0``, a frozen reference copy.
+
+    Several LoRA policies on one base model share one model with a named adapter each (a
+    multi-agent run's ``policies:``): the first actor loads it with every adapter in
+    ``adapters`` (FSDP shards it once, adapters included), the others pass ``share=`` that
+    actor. Each actor trains only its own ``adapter`` (peft's active adapter while it runs; its
+    optimiser holds that adapter's parameters alone), so one policy's update leaves every
+    other adapter's tensors bitwise as they were.
+    """
 
     def __init__(
         self,
@@ -95,6 +104,9 @@ class PPOActor:
         *,
         temperature: float = 1.0,
         seed: int = 1,
+        adapter: str = "default",
+        adapters: Mapping[str, LoraConfig] | None = None,
+        share: PPOActor | None = None,
     ) -> None:
         memory.tune_allocator()  # freed step memory must leave the process: see memory.py
         self.cfg = actor
@@ -116,7 +128,14 @@ class PPOActor:
         )
         self.tree_kernel = tree_kernel(actor.tree_attention, self.device)
         self.model_path = model_path
-        self.model: Any = self._load(model_path, trainable=True)
+        self.adapter = adapter
+        """This actor's LoRA adapter in ``model`` (peft's name; ``default`` for one policy)."""
+        if share is not None:
+            self.adapters: dict[str, LoraConfig] = dict(share.adapters)
+            self.model: Any = share.model
+        else:
+            self.adapters = dict(adapters or ({adapter: actor.lora} if actor.lora else {}))
+            self.model = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
         if self.tree_kernel == "flex" and actor.tree_training != "off":
             self._check_flex()
@@ -124,14 +143,15 @@ class PPOActor:
             raise ConfigError(
                 f"actor.tree_training=on, but {self.tree_unsupported}; set it to auto or off"
             )
-        if actor.tree_training != "off" and not self.tree_unsupported:
+        if actor.tree_training != "off" and not self.tree_unsupported and share is None:
             # tree attention kernels instead of the dense N^2 mask (tree_attention.py); every
             # call without a packed tree runs plain sdpa
             base = getattr(self.model, "get_base_model", None)  # a LoRA (peft) wrapper
             enable_tree_attention(base() if callable(base) else self.model)
-        self.ref_model = None
-        if actor.kl_coef > 0:
+        self.ref_model: Any = share.ref_model if share is not None else None
+        if actor.kl_coef > 0 and self.ref_model is None:
             self.ref_model = self._load(model_path, trainable=False)
+        self.activate()
         params = [p for p in self.model.parameters() if p.requires_grad]
         kwargs: dict[str, Any] = {}
         if actor.strategy == "single" and self.device.type in ("cpu", "cuda"):
@@ -193,8 +213,8 @@ class PPOActor:
             model_path, dtype=self.precision.load_dtype(frozen=frozen), **where
         )
         model.config.use_cache = False
-        if trainable and self.cfg.lora is not None:
-            model = apply_lora(model, self.cfg.lora, fp32_adapters=not self.precision.lossy)
+        if trainable and self.adapters:
+            model = apply_lora(model, self.adapters, fp32_adapters=not self.precision.lossy)
         if not offload:
             model = model.to(self.device)
         if trainable:
@@ -212,6 +232,16 @@ class PPOActor:
             install_scored_forward(model)
         return model
 
+    @property
+    def shares_model(self) -> bool:
+        """Other policies' adapters live in this actor's model too."""
+        return len(self.adapters) > 1
+
+    def activate(self) -> None:
+        """Make this actor's adapter the one that runs and trains (a shared model only)."""
+        if self.shares_model:
+            self.model.set_adapter(self.adapter)
+
     # -- logprobs ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -220,6 +250,7 @@ class PPOActor:
     ) -> torch.Tensor:
         """Recompute logprobs [B, L] of the scored tokens at the sampling temperature (0
         elsewhere), in token-bounded micro-batches."""
+        self.activate()
         model = model or self.model
         input_ids = batch["input_ids"].to(self.device)
         attn = batch["attention_mask"].to(self.device).bool()
@@ -432,6 +463,7 @@ class PPOActor:
         """
         t_start = time.perf_counter()
         memory.reset_peak()
+        self.activate()
         pb = self.prepare(batch)
         a = self.cfg
         stats = dict(pb.stats)
@@ -593,12 +625,21 @@ class PPOActor:
         optimiser keeps changing. Collective under FSDP: every rank calls it, rank 0 gets the
         weights, the others an empty dict. With LoRA: the merged weights (base + adapter)."""
         if self.cfg.lora is not None:
-            return self.precision.for_engine(merged_lora_state_dict(self.model, self.dist))
+            self.activate()
+            merged = merged_lora_state_dict(self.model, self.dist, self.adapter)
+            return self.precision.for_engine(merged)
         return self.precision.for_engine(full_state_dict(self.model))
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable (LoRA adapter) weights only, full on rank 0 (collective under FSDP)."""
+        self.activate()
         return full_state_dict(self.model, trainable_only=True)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """This actor's adapter config, as peft writes ``adapter_config.json``."""
+        pcfg = self.model.peft_config[self.adapter].to_dict()
+        pcfg["base_model_name_or_path"] = self.model_path
+        return pcfg
 
     def export_hf(self, folder: Path) -> int:
         """Write the full model (LoRA merged in) as an HF folder; with LoRA also the adapter
@@ -625,6 +666,4 @@ class PPOActor:
             adapter = self.adapter_state_dict()
         if not self.dist.is_main:
             return 0
-        pcfg = self.model.peft_config["default"].to_dict()
-        pcfg["base_model_name_or_path"] = self.model_path
-        return save_adapter_folder(folder, adapter, pcfg)
+        return save_adapter_folder(folder, adapter, self.adapter_config(), self.adapter)

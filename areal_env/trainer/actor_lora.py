@@ -5,11 +5,12 @@ checkpointing, and gradient sync under FSDP.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from areal_env.api.config import LoraConfig
+from areal_env.api.config import ConfigError, LoraConfig
 from areal_env.trainer.dist import DistContext, full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -31,25 +32,48 @@ def set_gradient_sync(model: Any, sync: bool) -> None:
         fn(sync)
 
 
-def apply_lora(model: Any, lora: LoraConfig, *, fp32_adapters: bool = True) -> torch.nn.Module:
-    """Wrap ``model`` with ``peft`` LoRA adapters; only the adapters stay trainable.
+def apply_lora(
+    model: Any, adapters: Mapping[str, LoraConfig], *, fp32_adapters: bool = True
+) -> torch.nn.Module:
+    """Wrap ``model`` with ``peft`` LoRA adapters, one per name (``default`` for a run with one
+    policy; a name per adapter policy of a multi-agent run); only the adapters stay trainable.
+    A model peft cannot adapt (no module matches the target names) raises ``ConfigError``.
 
-    ``fp32_adapters``: the adapters are fp32 master weights even on a bf16/fp16 base (peft's
-    ``autocast_adapter_dtype``), so small updates are not rounded away."""
+    ``fp32_adapters``: the adapters are fp32 master weights even on a bf16/fp16 base, so small
+    updates are not rounded away."""
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
     except ImportError as e:  # pragma: no cover - peft is a dependency
         raise RuntimeError("actor.lora needs the `peft` package: pip install peft") from e
-    cfg = PeftLoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    wrapped = get_peft_model(model, cfg, autocast_adapter_dtype=fp32_adapters)
+
+    def peft_config(lora: LoraConfig) -> Any:
+        return PeftLoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+
+    (first, lora), *rest = adapters.items()
+    try:
+        wrapped = get_peft_model(
+            model, peft_config(lora), adapter_name=first, autocast_adapter_dtype=fp32_adapters
+        )
+        for name, more in rest:
+            wrapped.add_adapter(name, peft_config(more))
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ConfigError(
+            f"LoRA adapters cannot be put on {type(model).__name__}: {e}. Set the target "
+            "modules to this model's linear layers (lora.target_modules), or train the policy "
+            "as a model of its own"
+        ) from e
+    if fp32_adapters:  # peft casts only the first adapter: the later ones too
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
     n_train = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in wrapped.parameters())
     logger.info(
@@ -58,12 +82,17 @@ def apply_lora(model: Any, lora: LoraConfig, *, fp32_adapters: bool = True) -> t
     return wrapped
 
 
-def merged_lora_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor]:
-    """Base weights with the adapters merged in, under the base model's own names (what a
-    server without LoRA support loads). Collective under FSDP; rank 0 gets the weights."""
+def merged_lora_state_dict(
+    model: Any, ctx: DistContext, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """Base weights with adapter ``adapter`` merged in (any other adapter of the model left
+    out), under the base model's own names (what a server without LoRA support loads).
+    Collective under FSDP; rank 0 gets the weights."""
     full = full_state_dict(model)
     if not full:
         return {}
     from areal_env.engine.lora import merge_lora_weights
 
-    return merge_lora_weights(full, model.peft_config["default"])
+    own = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
+    kept = {k: v for k, v in full.items() if ".lora_" not in k or any(o in k for o in own)}
+    return merge_lora_weights(kept, model.peft_config[adapter])

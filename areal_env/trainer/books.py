@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from areal_env.api.config import ExperimentConfig
 from areal_env.api.episode import Episode
 from areal_env.trainer import checkpoint as ckpt
 from areal_env.trainer import memory
-from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.data import DataLoader
 from areal_env.trainer.eval import (
     paired_p_value,
@@ -29,6 +28,7 @@ from areal_env.trainer.eval import (
     read_eval_summary,
     truncate_eval_log,
 )
+from areal_env.trainer.policies import Policy, checkpoint_parts, policies_state
 from areal_env.trainer.ranks import RankChannel
 from areal_env.trainer.stats import (
     MetricsLogger,
@@ -88,15 +88,33 @@ class RunBooks:
         self._drop_stale_dumps(from_step)
         truncate_eval_log(self.run_dir, from_step if from_step else -1)
 
-    def recover(self, actor: PPOActor, data: DataLoader | None) -> RunPosition | None:
-        """``trainer.recover: auto``: restore the latest checkpoint into ``actor`` (and the data
-        position into ``data``); ``None`` when there is none. Collective under FSDP."""
+    def recover(
+        self, policies: Mapping[str | None, Policy], data: DataLoader | None
+    ) -> RunPosition | None:
+        """``trainer.recover: auto``: restore the latest checkpoint into every policy's actor
+        (and the data position into ``data``); ``None`` when there is none. Collective under
+        FSDP."""
         if self.config.trainer.recover != "auto":
             return None
         found = ckpt.latest_checkpoint(self.ckpt_root)
         if found is None:
             return None
-        state = ckpt.restore_checkpoint(found, model=actor.model, optimizer=actor.optimizer)
+        saved = ckpt.load_trainer_state(found)
+        names = sorted(str(n) for n in policies if n is not None)
+        if sorted(saved.get("policies") or {}) != names:
+            raise RuntimeError(
+                f"checkpoint {found} was written by a run with policies "
+                f"{sorted(saved.get('policies') or {}) or 'none'}, this run trains "
+                f"{names or 'none'}: resume with the same policies, or start a new trial_name"
+            )
+        if None in policies:
+            actor = policies[None].actor
+            state = ckpt.restore_checkpoint(found, model=actor.model, optimizer=actor.optimizer)
+            actor.update_count = int(state.get("update_count", state["step"]))
+        else:
+            state = ckpt.restore_checkpoint(found, parts=checkpoint_parts(policies))
+            for name, policy in policies.items():
+                policy.actor.update_count = int(state["policies"][name]["update_count"])
         position = RunPosition(
             step=int(state["step"]),
             version=int(state.get("version", state["step"])),
@@ -106,7 +124,6 @@ class RunBooks:
         if data is not None and state.get("data") is not None:
             data.load_state_dict(state["data"])
             position.data_state = data.state_dict()
-        actor.update_count = int(state.get("update_count", position.step))
         where = (
             f"data position epoch {data.epoch} batch {data.batch_index}"
             if data is not None
@@ -144,7 +161,7 @@ class RunBooks:
         self,
         position: RunPosition,
         total: int | None,
-        actor: PPOActor,
+        policies: Mapping[str | None, Policy],
         tokenizer: Any,
         data: DataLoader | None,
     ) -> None:
@@ -154,7 +171,7 @@ class RunBooks:
         if not (position.step == total or (freq and position.step % freq == 0)):
             return
         try:
-            await asyncio.to_thread(self.save, position, actor, tokenizer, data)
+            await asyncio.to_thread(self.save, position, policies, tokenizer, data)
         except ckpt.CheckpointWriteError as e:
             if position.step == total:
                 raise  # the run's last weights: never end as if they were saved
@@ -162,33 +179,56 @@ class RunBooks:
             logger.error("%s; training goes on and retries at the next save", e)
 
     def save(
-        self, position: RunPosition, actor: PPOActor, tokenizer: Any, data: DataLoader | None
+        self,
+        position: RunPosition,
+        policies: Mapping[str | None, Policy],
+        tokenizer: Any,
+        data: DataLoader | None,
     ) -> Path:
-        """Write a checkpoint of ``position`` (collective under FSDP: rank 0 announces it)."""
+        """Write a checkpoint of ``position`` and every policy (collective under FSDP: rank 0
+        announces it). The run's only policy is the checkpoint's own ``state/`` and ``model/``;
+        a multi-agent run's policies each have theirs under ``policies/<name>/``."""
         self.ranks.announce({"op": "save", "step": position.step})
         data_state = position.data_state
         if data_state is None and data is not None:
             data_state = data.state_dict()
-        state = {
+        state: dict[str, Any] = {
             "version": position.version,
             "epoch": data_state["epoch"] if data_state else 0,
             "data": data_state,
-            "update_count": actor.update_count,
             "redraws_used": position.redraws_used,
             "experiment_name": self.config.experiment_name,
             "trial_name": self.config.trial_name,
-            "model_path": actor.model_path,
         }
-        path = ckpt.save_checkpoint(
-            self.ckpt_root,
-            position.step,
-            model=actor.model,
-            tokenizer=tokenizer,
-            optimizer=actor.optimizer,
-            trainer_state=state,
-            keep_last=self.config.trainer.keep_checkpoints,
-            export_hf=actor.export_hf,
-        )
+        keep = self.config.trainer.keep_checkpoints
+        if None in policies:
+            actor = policies[None].actor
+            state.update(update_count=actor.update_count, model_path=actor.model_path)
+            path = ckpt.save_checkpoint(
+                self.ckpt_root,
+                position.step,
+                model=actor.model,
+                tokenizer=tokenizer,
+                optimizer=actor.optimizer,
+                trainer_state=state,
+                keep_last=keep,
+                export_hf=actor.export_hf,
+            )
+        else:
+            # the base model the adapter policies are served on, and each policy
+            state["model_path"] = str(Path(self.config.model.path))
+            state["base_model_path"] = next(
+                (p.actor.model_path for p in policies.values() if p.adapter), None
+            )
+            state["policies"] = policies_state(policies)
+            path = ckpt.save_checkpoint(
+                self.ckpt_root,
+                position.step,
+                tokenizer=None,
+                trainer_state=state,
+                keep_last=keep,
+                parts=checkpoint_parts(policies),
+            )
         position.saved_step = position.step
         if self.on_checkpoint is not None and self.ranks.dist.is_main:
             self.on_checkpoint(position.step, path)

@@ -10,6 +10,11 @@ epoch, data position, RNG states, version).
 
 Written atomically — into a temporary folder renamed into place, then the ``latest`` pointer file
 replaced — so a run killed mid-save leaves the previous checkpoint intact and never a half one.
+
+A run with several policies (``policies:``) saves one :class:`CheckpointPart` per policy, each
+with its own ``state/`` and servable ``model/`` under ``policies/<name>/``, in the same atomic
+step folder: a LoRA policy saves its adapter alone (its ``model/`` is a peft adapter folder on
+the base model the trainer state names), a policy with a model of its own the whole model.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
+class CheckpointPart:
+    """One trained model of a checkpoint: its weights and optimiser state in ``folder/state``,
+    its servable form in ``folder/model`` (``folder`` ``""``: the step folder itself)."""
+
+    folder: str
+    model: Any
+    optimizer: torch.optim.Optimizer | None
+    export: Callable[[Path], Any] | None = None
+    """Writes the servable folder (collective under FSDP); default ``model.save_pretrained``."""
+    tokenizer: Any = None
+    """Saved next to the servable weights."""
+    trainable_only: bool = False
+    """Save and restore only the parameters that require grad (a LoRA policy's adapter: the
+    base weights it shares with other policies are the run's base model)."""
+    activate: Callable[[], None] | None = None
+    """Called before the part's state is read or written (a shared model's adapter choice)."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, I/O error); the previous one is intact and
     still the latest. Raised for every failure of the write (safetensors reports a full disk as
@@ -65,17 +90,20 @@ def save_checkpoint(
     ckpt_root: str | os.PathLike[str],
     step: int,
     *,
-    model: Any,
-    tokenizer: Any | None,
-    optimizer: torch.optim.Optimizer | None,
+    model: Any = None,
+    tokenizer: Any | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
     export_hf: Callable[[Path], Any] | None = None,
+    parts: Sequence[CheckpointPart] = (),
 ) -> Path:
     """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
 
-    ``export_hf(folder)``: writes the servable HF folder (collective under FSDP: it gathers the
-    full weights); default ``model.save_pretrained``.
+    ``model`` (with ``optimizer``, ``tokenizer``): the run's one model, in the step folder's
+    own ``state/`` and ``model/``; ``parts``: more models, each in a folder of its own (a
+    multi-agent run's policies). ``export_hf(folder)``: writes ``model``'s servable HF folder
+    (collective under FSDP: it gathers the full weights); default ``model.save_pretrained``.
 
     Any failure raises :class:`CheckpointWriteError` and leaves the previous checkpoint the
     latest (the temporary folder is removed, so a full disk gets its space back).
@@ -85,15 +113,13 @@ def save_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
+        main = [] if model is None else [CheckpointPart("", model, optimizer, export_hf, tokenizer)]
         return _save_checkpoint(
             Path(ckpt_root),
             step,
-            model=model,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
+            parts=[*main, *parts],
             trainer_state=trainer_state,
             keep_last=keep_last,
-            export_hf=export_hf,
         )
     except CheckpointWriteError:
         raise
@@ -109,14 +135,10 @@ def _save_checkpoint(
     root: Path,
     step: int,
     *,
-    model: Any,
-    tokenizer: Any | None,
-    optimizer: torch.optim.Optimizer | None,
+    parts: Sequence[CheckpointPart],
     trainer_state: dict[str, Any],
     keep_last: int | None,
-    export_hf: Callable[[Path], Any] | None,
 ) -> Path:
-    import torch.distributed.checkpoint as dcp
 
     from areal_env.trainer.dist import barrier, broadcast_object, current_context
 
@@ -128,17 +150,9 @@ def _save_checkpoint(
         tmp_name = tempfile.mkdtemp(prefix=f".step_{step}.", dir=root)
     tmp = Path(broadcast_object(tmp_name, ctx))
     try:
-        msd, osd = _state_dicts(model, optimizer)
-        dcp.save(
-            {"model": msd, "optim": osd}, checkpoint_id=str(tmp / STATE_DIR), no_dist=_no_dist()
-        )
-        if export_hf is not None:
-            export_hf(tmp / MODEL_DIR)
-        elif ctx.is_main:
-            model.save_pretrained(str(tmp / MODEL_DIR), safe_serialization=True)
+        for part in parts:
+            _save_part(tmp / part.folder, part, ctx.is_main)
         if ctx.is_main:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp / MODEL_DIR))
             torch.save(rng_state(), tmp / RNG_FILE)
             state = {**trainer_state, "step": step, "world_size": ctx.world_size}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -164,6 +178,23 @@ def _save_checkpoint(
     return final
 
 
+def _save_part(folder: Path, part: CheckpointPart, is_main: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if part.activate is not None:
+        part.activate()
+    msd, osd = _state_dicts(part.model, part.optimizer, part.trainable_only)
+    dcp.save(
+        {"model": msd, "optim": osd}, checkpoint_id=str(folder / STATE_DIR), no_dist=_no_dist()
+    )
+    if part.export is not None:
+        part.export(folder / MODEL_DIR)
+    elif is_main:
+        part.model.save_pretrained(str(folder / MODEL_DIR), safe_serialization=True)
+    if is_main and part.tokenizer is not None:
+        part.tokenizer.save_pretrained(str(folder / MODEL_DIR))
+
+
 def _no_dist() -> bool:
     """No process group: save/load in this process alone (what DCP would assume anyway)."""
     import torch.distributed as dist
@@ -172,15 +203,21 @@ def _no_dist() -> bool:
 
 
 def _state_dicts(
-    model: Any, optimizer: torch.optim.Optimizer | None
+    model: Any, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model and optimiser state keyed by parameter names (sharded DTensors under FSDP, plain
-    tensors otherwise): the form ``torch.distributed.checkpoint`` reshards between world sizes."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    tensors otherwise): the form ``torch.distributed.checkpoint`` reshards between world sizes.
+    ``trainable_only``: the parameters that require grad alone."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
 
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
-        return get_model_state_dict(model), {}
-    return get_state_dict(model, optimizer)
+        return get_model_state_dict(model, options=options), {}
+    return get_state_dict(model, optimizer, options=options)
 
 
 def _prune(root: Path, keep: int, current: str) -> None:
@@ -190,6 +227,43 @@ def _prune(root: Path, keep: int, current: str) -> None:
     for p in steps[:-keep]:
         if p.name != current:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _restore_part(ckpt: Path, part: CheckpointPart) -> None:
+    state_dir = ckpt / part.folder / STATE_DIR
+    if not state_dir.is_dir():
+        raise RuntimeError(
+            f"checkpoint {ckpt} has no {part.folder + '/' if part.folder else ''}{STATE_DIR}/ "
+            "folder (written by an areal-env before 0.1.0, by a run with other policies, or "
+            "half-deleted): start the run in a new trial_name, or remove that step folder"
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if part.activate is not None:
+        part.activate()
+    model, optimizer = part.model, part.optimizer
+    msd, osd = _state_dicts(model, optimizer, part.trainable_only)
+    bundle = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
+    dcp.load(bundle, checkpoint_id=str(state_dir), no_dist=_no_dist())
+    # only the parameters that were saved: a shared model's other adapters stay as they are
+    options = StateDictOptions(
+        ignore_frozen_params=part.trainable_only, strict=not part.trainable_only
+    )
+    if optimizer is not None:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=bundle["model"],
+            optim_state_dict=bundle["optim"],
+            options=options,
+        )
+    else:
+        set_model_state_dict(model, bundle["model"], options=options)
 
 
 def latest_checkpoint(ckpt_root: str | os.PathLike[str]) -> Path | None:
@@ -211,30 +285,21 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 
 def restore_checkpoint(
-    ckpt: Path, *, model: Any, optimizer: torch.optim.Optimizer | None
+    ckpt: Path,
+    *,
+    model: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    parts: Sequence[CheckpointPart] = (),
 ) -> dict[str, Any]:
     """Load weights, optimiser and RNG states in place; return the trainer state.
 
+    ``model``/``optimizer``: the step folder's own ``state/``; ``parts``: each from its folder.
     Collective under FSDP (every rank calls it). A ``state/`` folder written at any world size
     loads at any other.
     """
-    if not (ckpt / STATE_DIR).is_dir():
-        raise RuntimeError(
-            f"checkpoint {ckpt} has no {STATE_DIR}/ folder (written by an areal-env before 0.1.0, or "
-            "half-deleted): start the run in a new trial_name, or remove that step folder"
-        )
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    msd, osd = _state_dicts(model, optimizer)
-    bundle = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
-    dcp.load(bundle, checkpoint_id=str(ckpt / STATE_DIR), no_dist=_no_dist())
-    if optimizer is not None:
-        set_state_dict(
-            model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"]
-        )
-    else:
-        set_model_state_dict(model, bundle["model"])
+    main = [] if model is None else [CheckpointPart("", model, optimizer)]
+    for part in [*main, *parts]:
+        _restore_part(ckpt, part)
     if (ckpt / RNG_FILE).is_file():
         set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=False))
     return load_trainer_state(ckpt)

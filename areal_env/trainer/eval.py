@@ -19,6 +19,11 @@ Wilson interval ``success_ci_low``/``success_ci_high``, ``reward_mean``, ``valid
 (share of attempted tool calls that parsed and named an offered tool), ``tool_call_episodes``
 (share of episodes with at least one valid call), ``turns_mean`` (model calls per episode),
 ``output_tokens_mean``, ``prompt_tokens_mean``, ``n`` and ``rejected``.
+
+A multi-agent run (``policies:``) adds, per policy, ``policy/<name>/reward_mean`` (the mean
+reward of its completions in an episode, as training gives them), ``policy/<name>/success_rate``
+(episodes where that reaches the success reward) and ``policy/<name>/turns_mean``; and
+``team/success_rate``: episodes where every policy succeeded.
 """
 
 from __future__ import annotations
@@ -200,6 +205,34 @@ def episode_metrics(
     return metrics, outcomes, rewards
 
 
+def policy_metrics(episodes: list[Any], success_reward: float = 1.0) -> dict[str, float]:
+    """Per-policy figures of evaluation episodes (``Episode`` objects with their rows): each
+    policy's reward in an episode is the mean reward of its rows there; an episode it took no
+    part in (rejected, or the agent did not call it) counts as 0."""
+    names: dict[str, None] = {}
+    for e in episodes:
+        for r in e.rows:
+            if r.policy is not None:
+                names.setdefault(r.policy, None)
+    n = len(episodes)
+    out: dict[str, float] = {}
+    team = [bool(names)] * n
+    for name in names:
+        rewards, turns = [], 0
+        for i, e in enumerate(episodes):
+            own = [r.reward for r in e.rows if r.policy == name] if e.accepted else []
+            rewards.append(sum(own) / len(own) if own else 0.0)
+            team[i] = team[i] and rewards[-1] >= success_reward
+            turns += sum(1 for it in e.interactions if it.get("policy") == name)
+        p = f"policy/{name}/"
+        out[p + "reward_mean"] = sum(rewards) / n if n else 0.0
+        out[p + "success_rate"] = sum(r >= success_reward for r in rewards) / n if n else 0.0
+        out[p + "turns_mean"] = turns / n if n else 0.0
+    if names:
+        out["team/success_rate"] = sum(team) / n if n else 0.0
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The evaluator
 # --------------------------------------------------------------------------------------------
@@ -303,6 +336,9 @@ class Evaluator:
         episodes = [e.to_dict() for e in batch.episodes]
         elapsed = time.perf_counter() - t0
         result = self._result(version, step, self.items, episodes, elapsed)
+        main_ids = {_task_id(it) for it in self.items}
+        mine = [e for e in batch.episodes if str(e.task_id) in main_ids]
+        result.metrics.update(policy_metrics(mine, self.success_reward))
         for name, xs in self.extra_sets.items():
             result.extra[name] = self._result(version, step, xs, episodes, elapsed)
         if self.history:
@@ -315,6 +351,8 @@ class Evaluator:
                     )
         self.history.append(result)
         self._write(result, episodes)
+        for key in sorted(k for k in result.metrics if k.endswith("/success_rate")):
+            logger.info("eval v%d: %s %.1f%%", version, key, 100 * result.metrics[key])
         for name, r in [("held-out", result), *result.extra.items()]:
             m = r.metrics
             logger.info(
@@ -383,6 +421,7 @@ class Evaluator:
                             **base,
                             "interaction_id": it.get("id"),
                             "parent_id": it.get("parent_id"),
+                            "policy": it.get("policy"),
                             "prompt": it.get("prompt_text"),
                             "completion": it.get("completion_text"),
                             "stop_reason": it.get("stop_reason"),
@@ -482,8 +521,11 @@ async def arun_evaluation(
 
     Starts the engine and the proxy of ``cfg``, runs one greedy episode of the workflow per
     item, writes the dumps and summary under ``out_dir`` (default: ``run_dir/eval-<label>``)
-    and stops everything again.
+    and stops everything again. With ``policies:`` every policy is served under its name: a
+    checkpoint's as trained, else (the base model) each answered by the base model itself.
     """
+    if cfg.policies:
+        return await _evaluate_policies(cfg, items, checkpoint, workflow, workflow_kwargs, out_dir)
     import asyncio
     import dataclasses
 
@@ -543,6 +585,95 @@ async def arun_evaluation(
         engine.destroy()
 
 
+def _policy_step(path: str | Path) -> Path:
+    """The ``step_N`` folder of a multi-agent checkpoint at ``path`` (itself, or the latest
+    under a checkpoints or run folder)."""
+    from areal_env.engine.policies import saved_policies
+    from areal_env.trainer import checkpoint as ckpt
+
+    p = Path(path).expanduser()
+    for cand in (p, p / "checkpoints"):
+        if saved_policies(cand):
+            return cand
+        if (cand / ckpt.LATEST).is_file():
+            found = ckpt.latest_checkpoint(cand)
+            if found is not None and saved_policies(found):
+                return found
+    raise FileNotFoundError(
+        f"{str(p)!r} is not a checkpoint of a run with policies (step_N/policies/<name>/), "
+        "nor a run or checkpoints folder with one"
+    )
+
+
+async def _evaluate_policies(
+    cfg: Any,
+    items: list[dict[str, Any]],
+    checkpoint: str | Path | None,
+    workflow: Any,
+    workflow_kwargs: dict[str, Any] | None,
+    out_dir: str | Path | None,
+) -> EvalResult:
+    """``arun_evaluation`` of a multi-agent run: every policy's engine, one proxy routing by
+    ``model``."""
+    import asyncio
+    import dataclasses
+
+    from areal_env.engine.policies import PolicyEngines
+    from areal_env.proxy.policies import PolicyEndpoint
+    from areal_env.proxy.server import ProxyServer
+    from areal_env.trainer import checkpoint as ckpt
+    from areal_env.workflow.resolve import resolve_workflow
+
+    version, label = 0, "base"
+    if checkpoint is not None:
+        step = _policy_step(checkpoint)
+        version = int(ckpt.load_trainer_state(step).get("version", 0))
+        label = step.name
+        engines = PolicyEngines.from_checkpoint(cfg, step)
+    else:
+        engines = PolicyEngines.from_config(cfg, base_weights=True)
+    spec = workflow if workflow is not None else cfg.workflow
+    if spec is None:
+        raise ValueError("no workflow to evaluate: set `workflow` in the config")
+    kwargs = workflow_kwargs if workflow_kwargs is not None else dict(cfg.workflow_kwargs)
+    out = Path(out_dir) if out_dir is not None else cfg.run_dir / f"eval-{label}"
+    proxy = evaluator = None
+    try:
+        await asyncio.to_thread(engines.initialize)
+        engines.set_version(version)
+        endpoints = {
+            name: PolicyEndpoint(engine, engines.tokenizer(name))
+            for name, engine in engines.routes.items()
+        }
+        pcfg = dataclasses.replace(cfg.proxy, initial_capacity=0)
+        base = engines.base
+        proxy = ProxyServer(
+            base, base.tokenizer, pcfg, train_gconfig=cfg.gconfig, policies=endpoints
+        ).start()
+        rollout = dataclasses.replace(cfg.rollout, n_samples=1)
+        addr = {"proxy_base_url": proxy.base_url, "admin_key": proxy.admin_key}
+        wf = resolve_workflow(spec, kwargs, rollout=rollout, **addr)
+        evaluator = Evaluator(
+            base,
+            wf,
+            items,
+            rollout,
+            out,
+            success_reward=cfg.trainer.eval_success_reward,
+            show_progress=cfg.trainer.progress,
+            proxy_base_url=proxy.base_url,
+            admin_key=proxy.admin_key,
+        )
+        truncate_eval_log(out, -1)
+        return await evaluator.evaluate(version=version, step=0)
+    finally:
+        if evaluator is not None:
+            await evaluator.aclose()
+        if proxy is not None:
+            proxy.stop()
+        engines.destroy()
+
+
 def format_result(result: EvalResult, out_dir: str | Path | None = None) -> str:
     """A short human-readable report of one evaluation."""
     m = result.metrics
@@ -559,6 +690,12 @@ def format_result(result: EvalResult, out_dir: str | Path | None = None) -> str:
     ]
     if m.get("rejected"):
         lines.append(f"  rejected episodes  {int(m['rejected'])} (counted as failures)")
+    for key in sorted(k for k in m if k.startswith("policy/") and k.endswith("/success_rate")):
+        name = key[len("policy/") : -len("/success_rate")]
+        lines.append(
+            f"  policy {name:<11}success {100 * m[key]:5.1f}%, reward "
+            f"{m[f'policy/{name}/reward_mean']:.3f}, turns {m[f'policy/{name}/turns_mean']:.2f}"
+        )
     if out_dir is not None:
         lines.append(f"  dumps and summary  {Path(out_dir) / EVAL_DIR / str(result.version)}")
     return "\n".join(lines)

@@ -14,9 +14,16 @@ One training step (``atrain`` reads top to bottom):
 4. trajectory dumps, held-out evaluation, metrics and the reward plot, a checkpoint every
    ``trainer.save_freq_steps`` (``RunBooks``).
 
-The trainer holds its parts as objects: the models (``setup.build_models``), the books, the
-weight pusher and, under torchrun, the channel that tells the other ranks which collective
-comes next. A passed-in engine is pushed to but never destroyed (its owner does that).
+The trainer holds its parts as objects: its policies (``setup.build_models``; each an actor,
+a weight pusher and the engine serving it: one, the base model, unless ``policies:`` names
+several), the books and, under torchrun, the channel that tells the other ranks which
+collective comes next. A passed-in engine is pushed to but never destroyed (its owner does
+that).
+
+With ``policies:`` (multi-agent RL) every step updates each policy on its own rows (its
+advantages normalised per task among its rows) and pushes the weights of those it updated,
+while every engine is paused, then moves all of them to the step's version: one clock for the
+run, so staleness means the same for every policy.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from areal_env.api.config_load import validate_config
 from areal_env.api.engine import InferenceEngine
 from areal_env.api.episode import Episode
 from areal_env.api.source import BatchSource, RolloutBatch, SourceClosedError
+from areal_env.engine.policies import PolicyEngines
 from areal_env.proxy.server import ProxyServer
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
@@ -43,7 +51,12 @@ from areal_env.trainer.dist import SINGLE, DistContext
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.faults import fault_from_env, kill_now
 from areal_env.trainer.feed import DatasetSource
-from areal_env.trainer.push import WeightPusher
+from areal_env.trainer.policies import (
+    Policy,
+    policy_groups,
+    policy_rollout_stats,
+    unrouted_rows,
+)
 from areal_env.trainer.ranks import RankChannel
 from areal_env.trainer.setup import (
     build_models,
@@ -68,7 +81,8 @@ class PPOTrainer:
 
     ``source``: a :class:`~areal_env.api.source.BatchSource` to train on; then no dataset or
     workflow is used and training runs to ``trainer.total_train_steps`` (``None``: until the
-    source is closed). ``engine``: an initialized engine to generate with and push weights to;
+    source is closed). ``engine``: an initialized engine to generate with and push weights to
+    (with ``policies:``, an initialized ``PolicyEngines`` or the base engine to build one on);
     the caller keeps ownership. ``on_checkpoint(step, path)``: called (rank 0) after each
     checkpoint is written, e.g. to mark the trajectories trained so far as durable
     (``areal-env serve-training`` commits its store there).
@@ -81,7 +95,7 @@ class PPOTrainer:
         valid_dataset: Any = None,
         *,
         source: BatchSource | None = None,
-        engine: InferenceEngine | None = None,
+        engine: InferenceEngine | PolicyEngines | None = None,
         on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
         validate_config(config)
@@ -101,13 +115,18 @@ class PPOTrainer:
         self.dist: DistContext = SINGLE
         self.ranks = RankChannel(SINGLE)
         self.books = RunBooks(config, self.ranks, on_checkpoint=on_checkpoint)
+        self.engines: PolicyEngines | None = None
+        """With ``policies:`` (rank 0): every policy's engine (``engine`` is their base)."""
+        self._given_engines: PolicyEngines | None = None
+        if isinstance(engine, PolicyEngines):
+            self._given_engines, engine = engine, engine.base
         self.engine: InferenceEngine | None = engine
         self._own_engine = False
         self.source: BatchSource | None = source
-        # set up by atrain (rank 0 holds them all; other ranks only the actor)
-        self.actor: PPOActor | None = None
+        # set up by atrain (rank 0 holds them all; other ranks only the actors)
+        self.policies: dict[str | None, Policy] = {}
+        """By name; ``{None: ...}``: the run's only policy (no ``policies:``)."""
         self.tokenizer: Any = None
-        self.pusher: WeightPusher | None = None
         self.proxy: ProxyServer | None = None
         self.evaluator: Evaluator | None = None
         self.token_log: TokenLog | None = None  # rollout.dump_to_file: what each update did
@@ -158,6 +177,12 @@ class PPOTrainer:
             except Exception as e:
                 logger.warning("stopping the proxy failed: %s", e)
             self.proxy = None
+        if self.engines is not None and self.engines is not self._given_engines:
+            try:
+                self.engines.destroy()  # the policies' own engines, and the base if made here
+            except Exception as e:
+                logger.warning("destroying the engines failed: %s", e)
+            self.engines = self.engine = None
         if self.engine is not None and self._own_engine:
             try:
                 self.engine.destroy()
@@ -245,7 +270,7 @@ class PPOTrainer:
                 metrics, episodes, rolled_out_at = done
                 # 3: the new weights everywhere, or (no update) the step still moves on
                 if metrics.get("actor/updated"):
-                    metrics.update(await self._push_new_weights(source))
+                    metrics.update(await self._push_new_weights(source, metrics))
                 elif isinstance(source, DatasetSource):
                     source.skip_step()  # the version stays; the staleness bound moves on
                 # 4: the books
@@ -256,7 +281,7 @@ class PPOTrainer:
                 if self._evaluation_due(total):
                     metrics.update(await self._evaluate())
                 self.books.log(pos, metrics, t_step, progress)
-                await self.books.checkpoint(pos, total, self._actor, self.tokenizer, self.data)
+                await self.books.checkpoint(pos, total, self.policies, self.tokenizer, self.data)
         finally:
             progress.close()
             self.ranks.announce({"op": "stop"})
@@ -290,10 +315,11 @@ class PPOTrainer:
             self.token_log = TokenLog(
                 self.run_dir, cfg.actor, tokenizer=self.tokenizer, keep_step=self.position.step
             )
-            self._actor.trace = self.token_log.trace
+            for policy in self.policies.values():
+                policy.actor.trace = self.token_log.trace
         if self.source is None:
             assert self.data is not None
-            self.proxy = start_proxy(cfg, engine, self.tokenizer)
+            self.proxy = start_proxy(cfg, engine, self.tokenizer, self.policies)
             total = self.total_steps
             self.source = await dataset_source(
                 cfg,
@@ -313,19 +339,25 @@ class PPOTrainer:
         return self.source
 
     def _set_up_models(self) -> RunPosition | None:
-        """Models and recovery (every rank); rank 0 pushes restored weights to its engine.
+        """Models and recovery (every rank); rank 0 pushes restored weights to its engines.
         Returns the restored position, or ``None`` for a fresh start."""
-        models = build_models(self.config, self.dist, self.engine)
-        self.actor, self.tokenizer = models.actor, models.tokenizer
-        self.engine, self._own_engine = models.engine, models.own_engine
-        self.pusher = WeightPusher(
-            self.config, models.actor, self.ranks, engine=models.engine, tokenizer=models.tokenizer
+        models = build_models(
+            self.config, self.dist, self.engine, self.ranks, engines=self._given_engines
         )
-        restored = self.books.recover(models.actor, self.data)
+        self.policies, self.tokenizer = models.policies, models.tokenizer
+        self.engine, self._own_engine = models.engine, models.own_engine
+        self.engines = models.engines
+        restored = self.books.recover(self.policies, self.data)
         if restored is not None:
             self.position = restored
-            if restored.version > 0 and self.dist.is_main:
-                self._pusher.push(restored.version)
+        version = self.position.version
+        if self.dist.is_main and (restored is not None or self.config.policies):
+            # restored weights; on a fresh start the adapter policies (served by nobody until
+            # their adapters are loaded); a fresh model of its own is on its engine already
+            fresh = restored is None or version == 0
+            pushed = [p for p in self.policies.values() if p.adapter or not fresh]
+            if pushed:
+                self._push(pushed, version)
         return restored
 
     async def _fetch_and_update(
@@ -373,35 +405,101 @@ class PPOTrainer:
             self.books.dump(batch.episodes, batch.trainer_version, pos.step + 1)
 
     async def _update(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One PPO update on every rank, on the batch collated into tensors here, once
-        (skipped when every episode was rejected)."""
-        tensors = None if batch.empty else collate_groups(batch.groups)
+        """One PPO update per policy, each on its own rows of the batch (collated into tensors
+        here, once per policy), on every rank. ``actor/updated``: some policy was updated.
+        The token record (``areal-env view``) gets the step's rows with what the update did."""
+        out = await self._update_policies(batch)
+        if self.token_log is not None and not out.get("empty_batch"):
+            self.token_log.commit(self.position.step + 1, batch.trainer_version, batch.groups)
+        return out
+
+    async def _update_policies(self, batch: RolloutBatch) -> dict[str, Any]:
+        if not self.config.policies:
+            return await self._update_policy(self.policies[None], batch.groups)
+        out: dict[str, Any] = {}
+        left_out = unrouted_rows(batch.groups, list(self.policies))
+        if left_out:
+            logger.warning(
+                "step %d: %d rows name no policy of this run (policies: %s); not trained",
+                self.step + 1,
+                left_out,
+                ", ".join(str(n) for n in self.policies),
+            )
+        out["rows/without_policy"] = float(left_out)
+        for name, policy in self.policies.items():
+            assert name is not None
+            out.update(policy_rollout_stats(batch.groups, name, batch.trainer_version))
+            groups = policy_groups(batch.groups, name)
+            stats = await self._update_policy(policy, groups or [])
+            out.update({f"{policy.prefix}{k}": v for k, v in stats.items()})
+        out["actor/updated"] = float(
+            any(out.get(f"{p.prefix}actor/updated") for p in self.policies.values())
+        )
+        out["empty_batch"] = float(
+            all(out.get(f"{p.prefix}empty_batch") for p in self.policies.values())
+        )
+        return out
+
+    async def _update_policy(self, policy: Policy, groups: list[list[Episode]]) -> dict[str, Any]:
+        """One PPO update of ``policy`` on ``groups`` (skipped when it has no trained token)."""
+        tensors = collate_groups(groups) if any(groups) else None
         if tensors is None or int(tensors["loss_mask"].sum()) == 0:
-            logger.warning("step %d: every episode was rejected; update skipped", self.step)
+            if policy.name is None:
+                logger.warning("step %d: every episode was rejected; update skipped", self.step)
+            else:
+                logger.warning(
+                    "step %d: no trained token for policy %s; its update skipped",
+                    self.step + 1,
+                    policy.name,
+                )
             return {"actor/update_skipped": 1.0, "empty_batch": 1.0, "actor/updated": 0.0}
         step = self.position.step
 
         def update_all_ranks() -> dict[str, float]:
-            self.ranks.announce({"op": "update", "batch": tensors, "step": step})
-            return self._actor.update(tensors, step=step)
+            cmd: dict[str, Any] = {"op": "update", "batch": tensors, "step": step}
+            if policy.name is not None:
+                cmd["policy"] = policy.name
+            self.ranks.announce(cmd)
+            return policy.actor.update(tensors, step=step)
 
         ustats = await asyncio.to_thread(update_all_ranks)
-        if self.token_log is not None:
-            self.token_log.commit(step + 1, batch.trainer_version, batch.groups)
         return {
             **ustats,
             "empty_batch": 0.0,
             "actor/updated": float(not ustats.get("actor/update_skipped")),
         }
 
-    async def _push_new_weights(self, source: BatchSource) -> dict[str, float]:
-        """The new weights to the engine; the version moves on everywhere."""
+    async def _push_new_weights(
+        self, source: BatchSource, metrics: dict[str, Any]
+    ) -> dict[str, float]:
+        """The updated policies' new weights to their engines; the version moves on
+        everywhere."""
         t0 = time.perf_counter()
         new_version = self.position.version + 1
-        await asyncio.to_thread(self._pusher.push, new_version)
+        updated = [p for p in self.policies.values() if metrics.get(f"{p.prefix}actor/updated")]
+        await asyncio.to_thread(self._push, updated, new_version)
         self.position.version = new_version
         source.set_version(new_version)
-        return {"time/weight_push_s": time.perf_counter() - t0}
+        out = {"time/weight_push_s": time.perf_counter() - t0}
+        if self.config.policies:
+            out.update({f"{p.prefix}push_bytes": float(p.pusher.last_push_bytes) for p in updated})
+        return out
+
+    def _push(self, policies: list[Policy], version: int) -> None:
+        """Push ``policies``' weights (rank 0). With ``policies:`` every engine is paused
+        meanwhile and then set to ``version``: the step's new weights appear at once, under
+        one version, for every policy (updated or not)."""
+        if self.engines is None:
+            for policy in policies:
+                policy.pusher.push(version)
+            return
+        self.engines.pause()
+        try:
+            for policy in policies:
+                policy.pusher.push(version)
+            self.engines.set_version(version)
+        finally:
+            self.engines.resume()
 
     def _evaluation_due(self, total: int | None) -> bool:
         """Every ``trainer.eval_freq_steps`` and after the last step."""
@@ -422,7 +520,7 @@ class PPOTrainer:
         return {f"eval/{k}": v for k, v in result.flat_metrics().items()}
 
     def _save_checkpoint(self) -> Path:
-        return self.books.save(self.position, self._actor, self.tokenizer, self.data)
+        return self.books.save(self.position, self.policies, self.tokenizer, self.data)
 
     def _follow(self) -> dict[str, Any]:
         """A rank other than 0: build the sharded actor, restore, then run the collectives
@@ -436,9 +534,10 @@ class PPOTrainer:
                 break
             if op == "update":
                 self.position.step = int(cmd["step"])
-                self._actor.update(cmd["batch"], step=self.position.step)
+                policy = self.policies[cmd.get("policy")]
+                policy.actor.update(cmd["batch"], step=self.position.step)
             elif op == "push":
-                self._pusher.gather(cmd["what"])
+                self.policies[cmd.get("policy")].pusher.gather(cmd["what"])
             elif op == "save":
                 self.position.step = int(cmd["step"])
                 self._save_checkpoint()
@@ -457,13 +556,11 @@ class PPOTrainer:
         return self.engine
 
     @property
-    def _actor(self) -> PPOActor:
-        if self.actor is None:
-            raise RuntimeError("the trainer has no actor (not set up)")
-        return self.actor
-
-    @property
-    def _pusher(self) -> WeightPusher:
-        if self.pusher is None:
-            raise RuntimeError("the trainer has no weight pusher (not set up)")
-        return self.pusher
+    def actor(self) -> PPOActor:
+        """The run's only policy's actor (a run without ``policies:``)."""
+        if None not in self.policies:
+            raise RuntimeError(
+                "the trainer has no single actor: not set up, or a run with policies "
+                "(see trainer.policies)"
+            )
+        return self.policies[None].actor

@@ -17,13 +17,18 @@ from areal_env.api.config import ExperimentConfig
 from areal_env.api.engine import InferenceEngine
 from areal_env.engine.factory import create_engine
 from areal_env.engine.models import resolve_model_path
+from areal_env.engine.policies import PolicyEngines
 from areal_env.proxy.client import grant_capacity
+from areal_env.proxy.policies import PolicyEndpoint
 from areal_env.proxy.server import ProxyServer
 from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.data import DataLoader, load_items
 from areal_env.trainer.dist import SINGLE, DistContext, init_distributed
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.feed import DatasetSource
+from areal_env.trainer.policies import Policy, build_policies
+from areal_env.trainer.push import WeightPusher
+from areal_env.trainer.ranks import RankChannel
 from areal_env.workflow.executor import RolloutExecutor
 from areal_env.workflow.resolve import resolve_workflow
 
@@ -52,19 +57,32 @@ def join_process_group(config: ExperimentConfig, *, external_source: bool) -> Di
 @dataclass
 class Models:
     """What a rank trains and generates with. Ranks other than 0 hold only their shard of the
-    actor: they neither generate nor serve (``engine`` is None there)."""
+    actors: they neither generate nor serve (``engine`` is None there)."""
 
-    actor: PPOActor
+    policies: dict[str | None, Policy]
+    """The policies, by name (``{None: ...}``: the run's only policy)."""
     tokenizer: Any
+    """The base model's tokenizer."""
     engine: InferenceEngine | None
+    """The base model's engine (with policies: the host of the adapter policies)."""
     own_engine: bool
     """The engine was made here (and is destroyed with the trainer), not passed in."""
+    engines: PolicyEngines | None = None
+    """With policies (rank 0): every policy's engine."""
 
 
 def build_models(
-    config: ExperimentConfig, dist: DistContext, engine: InferenceEngine | None
+    config: ExperimentConfig,
+    dist: DistContext,
+    engine: InferenceEngine | None,
+    ranks: RankChannel,
+    *,
+    engines: PolicyEngines | None = None,
 ) -> Models:
-    """The engine (its own model copy; made unless passed in) and the trainer's actor."""
+    """The engine (its own model copy; made unless passed in) and the trainer's policies
+    (``engines``: a multi-agent run's engines, initialized by their owner)."""
+    if config.policies:
+        return _build_policy_models(config, dist, engine, ranks, engines)
     from transformers import AutoTokenizer
 
     model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
@@ -89,16 +107,65 @@ def build_models(
         temperature=config.gconfig.temperature,
         seed=config.seed,
     )
-    return Models(actor, tokenizer, engine if dist.is_main else None, own_engine)
+    engine = engine if dist.is_main else None
+    pusher = WeightPusher(config, actor, ranks, engine=engine, tokenizer=tokenizer)
+    only = Policy(None, actor, pusher, tokenizer, engine)
+    return Models({None: only}, tokenizer, engine, own_engine)
 
 
-def start_proxy(config: ExperimentConfig, engine: InferenceEngine, tokenizer: Any) -> ProxyServer:
-    """The trainer's own proxy. Sessions start only when the executor grants them (its
-    staleness control), unless ``proxy.initial_capacity`` says otherwise."""
+def _build_policy_models(
+    config: ExperimentConfig,
+    dist: DistContext,
+    engine: InferenceEngine | None,
+    ranks: RankChannel,
+    given: PolicyEngines | None,
+) -> Models:
+    """A multi-agent run: every policy's engine (rank 0) and actor."""
+    engines = None
+    if dist.is_main:
+        engines = given
+        if engines is None:
+            engines = PolicyEngines.from_config(config, base=engine)
+            engines.initialize()
+    policies = build_policies(config, ranks, engines)
+    first = next(iter(policies.values()))
+    tokenizer = engines.base.tokenizer if engines is not None else None
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(config.model.path, config.model.cache_dir)
+        tokenizer = first.tokenizer if first.adapter else AutoTokenizer.from_pretrained(str(path))
+    return Models(
+        policies,
+        tokenizer,
+        engines.base if engines is not None else None,
+        engines is not None and given is None and engines.own_base,
+        engines,
+    )
+
+
+def start_proxy(
+    config: ExperimentConfig,
+    engine: InferenceEngine,
+    tokenizer: Any,
+    policies: dict[str | None, Policy] | None = None,
+) -> ProxyServer:
+    """The trainer's own proxy (routing by ``model`` to the policies of a multi-agent run).
+    Sessions start only when the executor grants them (its staleness control), unless
+    ``proxy.initial_capacity`` says otherwise."""
     pcfg = config.proxy
     if pcfg.initial_capacity is None:
         pcfg = dataclasses.replace(pcfg, initial_capacity=0)
-    proxy = ProxyServer(engine, tokenizer, pcfg, train_gconfig=config.gconfig).start()
+    endpoints = None
+    if config.policies and policies:
+        endpoints = {
+            name: PolicyEndpoint(p.engine, p.tokenizer)
+            for name, p in policies.items()
+            if name is not None and p.engine is not None
+        }
+    proxy = ProxyServer(
+        engine, tokenizer, pcfg, train_gconfig=config.gconfig, policies=endpoints
+    ).start()
     logger.info("proxy listening at %s", proxy.base_url)
     return proxy
 

@@ -124,7 +124,9 @@ def plot_reward_curve(
 ) -> Path | None:
     """Reward mean (± std) per step to a PNG (matplotlib, Agg backend); with ``evals`` (the
     rows of ``eval.jsonl``) a second panel beside it shows the held-out greedy success rate with
-    its 95% interval per evaluation. None if there is nothing to draw."""
+    its 95% interval per evaluation. A multi-agent run adds one line per policy to each panel
+    (``policy/<name>/reward/mean``, ``policy/<name>/success_rate``). None if there is nothing
+    to draw."""
     pts = [
         (r["step"], r["reward/mean"], r.get("reward/std") or 0.0)
         for r in records
@@ -155,6 +157,10 @@ def plot_reward_curve(
             [m + s for m, s in zip(mean, std, strict=True)],
             alpha=0.2,
         )
+        for name in _policy_names(records, "reward/mean"):
+            key = f"policy/{name}/reward/mean"
+            line = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            ax.plot(*zip(*line, strict=True), marker=".", linestyle="--", label=f"{name} reward")
         ax.legend(loc="best")
     ax.set_xlabel("training step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -168,6 +174,13 @@ def plot_reward_curve(
         hi = [100 * e.get("success_ci_high", e["success_rate"]) for e in evs]
         ax_eval.plot(xs, ys, marker="s", color="tab:green", label="held-out success (greedy)")
         ax_eval.fill_between(xs, lo, hi, alpha=0.2, color="tab:green", label="95% CI")
+        for name in _policy_names(evs, "success_rate"):
+            key = f"policy/{name}/success_rate"
+            line = [(e["step"], 100 * e[key]) for e in evs if e.get(key) is not None]
+            ax_eval.plot(*zip(*line, strict=True), marker=".", linestyle="--", label=name)
+        team = [(e["step"], 100 * e["team/success_rate"]) for e in evs if "team/success_rate" in e]
+        if team:
+            ax_eval.plot(*zip(*team, strict=True), marker="^", label="team (every policy)")
         n = int(evs[-1].get("n", 0))
         ax_eval.set_title(f"held-out evaluation ({n} problems)")
         ax_eval.set_xlabel("training step")
@@ -183,6 +196,17 @@ def plot_reward_curve(
     plt.close(fig)
     os.replace(tmp, out)
     return out
+
+
+def _policy_names(records: list[dict[str, Any]], metric: str) -> list[str]:
+    """The policies with ``policy/<name>/<metric>`` in some record, in order of appearance."""
+    names: dict[str, None] = {}
+    tail = "/" + metric
+    for r in records:
+        for key in r:
+            if key.startswith("policy/") and key.endswith(tail):
+                names.setdefault(key[len("policy/") : -len(tail)], None)
+    return list(names)
 
 
 def dump_records(root: str | os.PathLike[str], records: list[dict[str, Any]]) -> list[Path]:
@@ -248,6 +272,8 @@ def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[st
                     **base,
                     "interaction_id": it.get("id"),
                     "parent_id": it.get("parent_id"),
+                    "policy": it.get("policy"),
+                    "spliced": it.get("spliced"),
                     "prompt": it.get("prompt_text"),
                     "completion": it.get("completion_text"),
                     "reward": it.get("reward"),

@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the weights (rank 0)")
     ap.add_argument("--micro-batch-tokens", type=int, default=96)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument(
+        "--policies",
+        action="store_true",
+        help="LoRA adapters a and b share the model (two policies): the steps train a only",
+    )
     ap.add_argument("--tree", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens a group's rows share")
     ap.add_argument("--steps", default="sgd,adamw", help="optimizer per update: sgd | adamw")
@@ -83,13 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_tokens=args.micro_batch_tokens,
         recompute_logprobs=True,  # exercises the sharded logprob recompute too
         max_grad_norm=1e9,  # no clipping: the step is the raw gradient
-        lora=LoraConfig(r=8, alpha=16) if args.lora else None,
+        lora=LoraConfig(r=8, alpha=16) if args.lora or args.policies else None,
         tree_training=args.tree,
     )
     model_cfg = ModelConfig(
         path=args.model, device=args.device, dtype="float32", gradient_checkpointing=True
     )
-    actor = PPOActor(args.model, actor_cfg, model_cfg, seed=1)
+    other = None
+    if args.policies:
+        assert actor_cfg.lora is not None
+        loras = {"a": actor_cfg.lora, "b": actor_cfg.lora}
+        actor = PPOActor(args.model, actor_cfg, model_cfg, seed=1, adapter="a", adapters=loras)
+        other = PPOActor(args.model, actor_cfg, model_cfg, seed=1, adapter="b", share=actor)
+        other_before = other.adapter_state_dict()
+        actor.activate()
+    else:
+        actor = PPOActor(args.model, actor_cfg, model_cfg, seed=1)
     rank = actor.dist.rank
     batch = fixed_batch(actor.model.config.vocab_size, shared_prefix=args.shared_prefix)
     params = [p for p in actor.model.parameters() if p.requires_grad]
@@ -111,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         stats = actor.update(batch, step=i)
         dt = time.perf_counter() - t0
-        sd = actor.state_dict_for_engine() if not args.lora else actor.adapter_state_dict()
+        lora = args.lora or args.policies
+        sd = actor.state_dict_for_engine() if not lora else actor.adapter_state_dict()
         live = {storage_ptr(p) for p in actor.model.parameters()}
         aliased = sorted(k for k, v in sd.items() if storage_ptr(v) in live)
         if rank == 0 and args.out:
@@ -149,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.push_dir)
         size = actor.save_adapter(folder) if args.lora else actor.export_hf(folder)
         push = {"push_bytes": size, "push_s": time.perf_counter() - t0, "push_dir": str(folder)}
+    other_unchanged = None
+    if other is not None:
+        after = other.adapter_state_dict()  # collective: every rank
+        other_unchanged = rank != 0 or (
+            after.keys() == other_before.keys()
+            and all(torch.equal(after[k], other_before[k]) for k in after)
+        )
     state_bytes = _state_bytes(actor)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     line = {
@@ -156,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": actor.dist.world_size,
         "steps": results,
         "state_bytes": state_bytes,
+        "other_unchanged": other_unchanged,
         "peak_rss_mb": peak_kb / 1024,
         "pid": os.getpid(),
         **push,

@@ -131,3 +131,56 @@ def test_no_import_cycles(graph):
         if m not in state:
             dfs(m)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _from_imports(path: Path, module: str) -> list[tuple[str, str]]:
+    """``(source module, name)`` of every ``from areal_env... import name`` in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            if base.startswith("areal_env"):
+                out.extend((base, a.name) for a in node.names)
+    return out
+
+
+def test_private_names_stay_in_their_module():
+    """A ``_name`` is its module's own: no other module (package, tests, benches, examples)
+    imports it; what another module needs gets a public name."""
+    repo = ROOT.parent
+    files = dict(_modules())
+    for folder in ("tests", "bench", "examples", "agents", "client"):
+        for path in sorted((repo / folder).rglob("*.py")) if (repo / folder).is_dir() else []:
+            files[f"{folder}:{path.relative_to(repo)}"] = path
+    crossing = [
+        f"{module} imports {name} from {source}"
+        for module, path in files.items()
+        for source, name in _from_imports(path, module if ":" not in module else "x")
+        if name.startswith("_") and not name.startswith("__") and source != module
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_module_re_exports_another_modules_names():
+    """Names are imported from where they live: no ``__all__`` lists a name its module only
+    imported (a facade that keeps an old import path alive). The package's own lazy
+    ``areal_env.__all__`` is the public surface, not a re-export."""
+    found = []
+    for module, path in _modules().items():
+        if module == "areal_env":
+            continue
+        tree = ast.parse(path.read_text())
+        exported: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                exported = set(ast.literal_eval(node.value))
+        imported = {name for source, name in _from_imports(path, module) if source != module}
+        found += [f"{module} re-exports {name}" for name in sorted(exported & imported)]
+    assert not found, "\n".join(found)

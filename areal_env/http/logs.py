@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,14 +46,16 @@ class _ConsoleFilter(logging.Filter):
         return any(record.name == p or record.name.startswith(p + ".") for p in self.progress)
 
 
-class _TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes through ``tqdm.write`` so a log line never tears a progress bar."""
+class _TqdmHandler(logging.Handler):
+    """Writes through ``tqdm.write`` so a log line never tears a progress bar; to the
+    ``sys.stderr`` of the moment (a stream captured when the handler was made may be closed
+    by now: test runners swap it per test)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm.auto import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
 

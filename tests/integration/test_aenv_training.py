@@ -104,10 +104,11 @@ class _KillingAgent(AenvAgent):
     def __init__(self, doomed, **kwargs):
         super().__init__(**kwargs)
         self.doomed = doomed  # (launcher, index)
-        self.killed_episodes = 0
+        self.doomed_episodes = 0
 
     def open_environment(self, data):
         if data.get("kill"):
+            self.doomed_episodes += 1
             launcher, index = self.doomed
             cfg = self.config.new(aenv_url=launcher.urls[index], max_retries=1)
             from areal_env.envs.episode import EnvironmentPool
@@ -116,10 +117,10 @@ class _KillingAgent(AenvAgent):
         return super().open_environment(data)
 
     async def _episode(self, client, model, env, data):
-        if data.get("kill"):
+        if data.get("kill"):  # the first doomed episode to get here kills the server; a later
+            # one finds it dead here or already while listing its tools (either way: rejected)
             launcher, index = self.doomed
             launcher.stop_server(index, kill=True)
-            self.killed_episodes += 1
         return await super()._episode(client, model, env, data)
 
 
@@ -131,7 +132,7 @@ def test_server_killed_mid_episode_is_rejected_training_goes_on(
     items = [dict(ITEMS[0]), dict(ITEMS[1], kill=True)]
     cfg = _config(tmp_path, model_path, batch_size=2, n_samples=2)
     trainer, metrics = _train(cfg, items, agent)
-    assert agent.killed_episodes == 2
+    assert agent.doomed_episodes == 2
     _assert_trained(trainer, metrics)  # the healthy group trained
     rejected = [v for k, v in metrics.items() if "reject" in k and isinstance(v, (int, float))]
     assert rejected and max(rejected) >= 2, metrics

@@ -104,7 +104,6 @@ def _adapter_files(step: Path) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.timeout(2400)
 def test_two_policies_train_resume_after_kill_serve_and_eval(tmp_path):
     from areal_env.api.config import ExperimentConfig, load_config
-    from areal_env.trainer.cli import resolve_paths
     from areal_env.trainer.ppo import PPOTrainer
 
     config = _write_run(tmp_path, steps=2)
@@ -146,7 +145,7 @@ def test_two_policies_train_resume_after_kill_serve_and_eval(tmp_path):
 
     # 2. recovery restores both adapters (and their optimisers) bitwise
     saved = _adapter_files(step1)
-    cfg = resolve_paths(load_config(ExperimentConfig, config), config)
+    cfg = load_config(ExperimentConfig, config)
     trainer = PPOTrainer(cfg)
     try:
         from areal_env.trainer.dist import SINGLE

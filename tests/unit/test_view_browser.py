@@ -346,6 +346,8 @@ def _check_token_record(run_dir: Path, lines: list[dict]) -> None:
     records = TokenRecords(run_dir)
     records.refresh()
     assert records.steps() == [1, 2]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = {int(m["step"]): bool(m.get("actor/update_skipped")) for m in metrics}
     text = records.text(run_dir)
     assert isinstance(text, TokenText)  # the run saved its tokenizer
     for step in (1, 2):
@@ -365,6 +367,9 @@ def _check_token_record(run_dir: Path, lines: list[dict]) -> None:
                 assert "".join(text.pieces(out_ids)) == d["completion"]
                 assert set(tok.versions.tolist()) == {part.index["version"]}
                 scored = tok.clipped != 255
+                if skipped[step]:  # every group scored alike: advantages 0, the update skipped
+                    assert not scored.any()
+                    continue
                 assert scored.all()  # one minibatch: every trained token got a gradient
                 gap = abs(tok.trainer_logprob - tok.rollout_logprob).max()
                 # same weights, fp32: the engine's and the trainer's logprobs agree

@@ -400,7 +400,7 @@ async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
                     f"service admin key (issues user keys) in {cfg.run_dir / 'service_admin_key'}",
                     flush=True,
                 )
-            if svc.gateway.gateway.open_mode:
+            if svc.gateway.gateway.book.open_mode:
                 print(
                     "no user keys configured: any API key is accepted (loopback only)", flush=True
                 )

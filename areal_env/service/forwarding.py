@@ -1,8 +1,11 @@
-"""Forwarding model calls to the backend that owns the session: a thin streaming pass-through
-over ``httpx`` (bodies and SSE streams are relayed chunk by chunk, never buffered) that swaps
-the user's key for the session's, caps completion lengths and counts the tokens the answers
-report. A generic reverse proxy library would not know how to swap keys per session, which is
-the one thing needed here.
+"""The gateway's HTTP calls to its backends: forwarding model calls to the backend that owns the
+session, the admin and session calls of the RL routes, and the health probes.
+
+Forwarding is a thin streaming pass-through over ``httpx`` (bodies and SSE streams are relayed
+chunk by chunk, never buffered) that swaps the user's key for the session's, caps completion
+lengths and counts the tokens the answers report. A generic reverse proxy library would not know
+how to swap keys per session, which is the one thing needed here. A transport failure marks the
+backend down in the gateway's ``SessionBook``.
 """
 
 from __future__ import annotations
@@ -118,8 +121,82 @@ def usage_tokens(content_type: str, head: bytes, tail: bytes, *, whole: bool = F
     return total
 
 
-class Forwarder(SessionBook):
-    """The gateway's forwarding of model calls (``forward``) on top of its bookkeeping."""
+class Forwarder:
+    """The gateway's side toward its backends: one shared ``httpx`` client (made on first use,
+    on the serving loop) for model calls (``forward``), the RL routes' backend calls and the
+    health probes. Failures and token counts go into ``book``."""
+
+    def __init__(self, book: SessionBook, *, max_new_tokens: int | None = None) -> None:
+        self.book = book
+        self.max_new_tokens = max_new_tokens
+        """Cap (and default) of every model call's completion length: the trainer's
+        ``gconfig.max_new_tokens`` governs sampling, whatever an agent asks for."""
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=5.0, read=self.book.config.request_timeout, write=60.0, pool=None
+                ),
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    # -- the RL routes' backend calls ------------------------------------------------------
+
+    async def _post(
+        self, backend: Backend, path: str, payload: dict, bearer: str, unreachable: str
+    ) -> httpx.Response:
+        """POST to a backend; a transport failure marks it down and answers 503."""
+        try:
+            return await self.http.post(
+                backend.base_url + path,
+                json=payload,
+                headers={"Authorization": f"Bearer {bearer}"},
+            )
+        except httpx.TransportError as e:
+            self.book.backend_down(
+                backend,
+                f"{type(e).__name__} on {path}",
+                conclusive=isinstance(e, httpx.ConnectError),
+            )
+            raise ServiceError(503, unreachable) from e
+
+    async def admin_post(self, backend: Backend, path: str, payload: dict) -> httpx.Response:
+        """POST with the backend's admin key (starting sessions, exports)."""
+        unreachable = f"backend {backend.name} is unreachable"
+        return await self._post(backend, path, payload, backend.admin_key, unreachable)
+
+    async def session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
+        """POST as ``sess`` (its session key) to the backend that owns it."""
+        backend = sess.backend
+        assert backend is not None, "closed sessions have no backend"
+        unreachable = f"the backend of session {sess.id} is unreachable"
+        return await self._post(backend, path, payload, sess.session_key, unreachable)
+
+    async def probe(self, backend: Backend) -> None:
+        """One health check of ``backend``, recorded in the pool."""
+        try:
+            resp = await self.http.get(
+                backend.base_url + routes.HEALTH, timeout=self.book.config.health_timeout
+            )
+            ok = resp.status_code == 200
+            error = f"/health answered {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, error = False, f"/health: {type(e).__name__}"
+        if ok:
+            self.book.pool.mark_ok(backend)
+        else:
+            self.book.backend_down(backend, error, conclusive=False)
+
+    # -- model calls -----------------------------------------------------------------------
 
     def _capped_body(self, path: str, body: bytes) -> bytes:
         """The request body with its completion length capped at ``max_new_tokens`` (and set
@@ -174,7 +251,7 @@ class Forwarder(SessionBook):
         except httpx.TransportError as e:
             if sess is not None:
                 sess.inflight -= 1
-            self._backend_down(
+            self.book.backend_down(
                 backend,
                 f"{type(e).__name__} forwarding {path}",
                 conclusive=isinstance(e, httpx.ConnectError),
@@ -185,7 +262,7 @@ class Forwarder(SessionBook):
                 f"the backend of {who} is unavailable ({type(e).__name__}); "
                 "the session has failed, start a new session",
             ) from e
-        self.counters["requests_forwarded"] += 1
+        self.book.counters["requests_forwarded"] += 1
         out_headers = {
             k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
         }
@@ -210,7 +287,7 @@ class Forwarder(SessionBook):
                 tokens = usage_tokens(
                     content_type, bytes(head), bytes(tail), whole=size == len(tail)
                 )
-                self._count_tokens(sess, user, tokens)
+                self.book.count_tokens(sess, user, tokens)
             if on_close is not None:
                 await on_close()
 
@@ -227,7 +304,9 @@ class Forwarder(SessionBook):
                     yield chunk
             except httpx.TransportError as e:
                 logger.warning("stream from %s broke: %s", backend.name, type(e).__name__)
-                self._backend_down(backend, f"stream broke: {type(e).__name__}", conclusive=False)
+                self.book.backend_down(
+                    backend, f"stream broke: {type(e).__name__}", conclusive=False
+                )
             finally:
                 await done()
 

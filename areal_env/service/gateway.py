@@ -24,7 +24,7 @@ import secrets
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from areal_env.api.service_config import ServiceConfig
@@ -32,20 +32,66 @@ from areal_env.api.source import SourceClosedError
 from areal_env.http import routes
 from areal_env.http.net import bind_socket, url_host
 from areal_env.http.runner import ServerThread
-from areal_env.service.auth import QuotaExceededError, UserKey
+from areal_env.service.auth import KeyStore, QuotaExceededError, UserKey
 from areal_env.service.backends import Backend, NoBackendError
 from areal_env.service.forwarding import Forwarder
 from areal_env.service.gateway_routes import build_app
-from areal_env.service.sessions import GatewaySession, ServiceError
+from areal_env.service.sessions import (
+    GatewaySession,
+    ServiceError,
+    SessionBook,
+    SessionPathApp,
+)
 from areal_env.service.source import GroupClosedError
-from areal_env.service.store import SessionRecord
+from areal_env.service.store import ServiceStore, SessionRecord
 
 logger = logging.getLogger(__name__)
 
 
-class Gateway(Forwarder):
-    """The gateway: its bookkeeping (``SessionBook``), forwarding (``Forwarder``), the RL
-    session calls below, and the HTTP app (``gateway_routes.build_app``)."""
+class Gateway:
+    """The gateway: the RL session calls (start, reward, finalize) over its parts, the state
+    and bookkeeping (``book``, a ``SessionBook``), the calls to the backends (``forwarder``, a
+    ``Forwarder``) and the HTTP app serving them (``app``, ``gateway_routes.build_app``)."""
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        backends: list[tuple[str, str]] | None = None,
+        source: Any | None = None,
+        discount: float = 1.0,
+        export_style: str = "individual",
+        keys: KeyStore | None = None,
+        anonymous_sessions: bool = False,
+        store: ServiceStore | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        """``discount``, ``export_style``: the rollout's (``service.discount`` and
+        ``service.export_style`` win when set); ``anonymous_sessions``: inference-only serving
+        (a model call without a session runs in a throwaway one); ``max_new_tokens``: the cap
+        of every model call's completion length."""
+        self.config = config
+        self.book = SessionBook(config, backends=backends, source=source, keys=keys, store=store)
+        self.forwarder = Forwarder(self.book, max_new_tokens=max_new_tokens)
+        self.discount = config.discount if config.discount is not None else discount
+        self.export_style = config.export_style or export_style
+        self.anonymous_sessions = anonymous_sessions
+        self.app = SessionPathApp(build_app(self))
+
+    async def maintain(self) -> None:
+        """Background task: probe every backend, expire idle sessions; until cancelled at
+        stop (then pending store writes finish and the HTTP client closes)."""
+        try:
+            while True:
+                await asyncio.gather(
+                    *(self.forwarder.probe(b) for b in self.book.pool.all()),
+                    return_exceptions=True,
+                )
+                self.book.expire()
+                await asyncio.sleep(self.config.health_interval)
+        finally:
+            await self.book.flush()
+            await self.forwarder.aclose()
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -58,17 +104,17 @@ class Gateway(Forwarder):
         metadata: dict | None = None,
         persist: bool = True,
     ) -> GatewaySession:
-        if self.draining:
+        if self.book.draining:
             raise self._refusal_while_stopping()
-        self._check_quota(user)
+        self.book.check_quota(user)
         try:
-            self.keys.acquire(user)
+            self.book.keys.acquire(user)
         except QuotaExceededError as e:
-            self.counters["rejected_quota"] += 1
+            self.book.counters["rejected_quota"] += 1
             raise ServiceError(429, str(e), retry_after=e.retry_after) from e
         admitted = False
         try:
-            admit = getattr(self.source, "admit", None)
+            admit = getattr(self.book.source, "admit", None)
             if admit is not None:
                 try:
                     ok = await admit(group_id, self.config.admission_timeout)
@@ -86,9 +132,9 @@ class Gateway(Forwarder):
                 admitted = True
             sess = await self._start_on_backend(user, group_id, task_id, metadata or {})
         except BaseException:
-            self.keys.release(user)
-            if admitted and self.source is not None:
-                self.source.release_admission(group_id)
+            self.book.keys.release(user)
+            if admitted and self.book.source is not None:
+                self.book.source.release_admission(group_id)
             raise
         if persist:
             rec = SessionRecord(
@@ -101,20 +147,20 @@ class Gateway(Forwarder):
                 owner=self.config.instance,
             )
             try:
-                await asyncio.to_thread(self.store.put_session, rec)
+                await asyncio.to_thread(self.book.store.put_session, rec)
             except BaseException:
-                self._fail_session(sess, "could not record the session")
+                self.book.fail_session(sess, "could not record the session")
                 raise
         return sess
 
     def _refusal_while_stopping(self) -> ServiceError:
         """The answer to a session request once the service stops: 503 + Retry-After while it
         will restart (a drain), 410 ``training_finished`` once training is over."""
-        self.counters["rejected_draining"] += 1
-        if self.finished is not None:
+        self.book.counters["rejected_draining"] += 1
+        if self.book.finished is not None:
             return ServiceError(
                 410,
-                f"training is finished ({self.finished}): this service starts no more sessions",
+                f"training is finished ({self.book.finished}): this service starts no more sessions",
                 code="training_finished",
             )
         return ServiceError(
@@ -127,14 +173,14 @@ class Gateway(Forwarder):
         self, user: UserKey, group_id: str | None, task_id: str | None, metadata: dict
     ) -> GatewaySession:
         try:
-            candidates = self.pool.candidates()
+            candidates = self.book.pool.candidates()
         except NoBackendError as e:
             raise ServiceError(503, str(e), retry_after=5.0) from e
         payload = {"group_id": group_id, "task_id": task_id, "metadata": metadata}
         last: ServiceError | None = None
         for backend in candidates:
             try:
-                resp = await self._admin_post(backend, routes.START_SESSION, payload)
+                resp = await self.forwarder.admin_post(backend, routes.START_SESSION, payload)
             except ServiceError as e:
                 last = e
                 continue
@@ -162,9 +208,7 @@ class Gateway(Forwarder):
                 task_id=task_id,
                 metadata=metadata,
             )
-            backend.open_sessions += 1
-            self.sessions[sess.id] = sess
-            self.counters["sessions_started"] += 1
+            self.book.add(sess)
             logger.info(
                 "session %s (key %s, group %s) on %s", sess.id, user.key_id, group_id, backend.name
             )
@@ -178,12 +222,12 @@ class Gateway(Forwarder):
         payload: dict[str, Any] = {"reward": float(reward)}
         if completion_id:
             payload["completion_id"] = completion_id
-        resp = await self._session_post(sess, routes.SET_REWARD, payload)
+        resp = await self.forwarder.session_post(sess, routes.SET_REWARD, payload)
         if resp.status_code >= 400:
             raise ServiceError(resp.status_code, _backend_message(resp))
         if not sess.rewarded:
             sess.rewarded = True
-            await asyncio.to_thread(self.store.update_session, sess.id, rewarded=True)
+            await asyncio.to_thread(self.book.store.update_session, sess.id, rewarded=True)
         return {"session_id": sess.id, "completion_id": completion_id, "reward": float(reward)}
 
     async def finalize(
@@ -198,19 +242,19 @@ class Gateway(Forwarder):
 
         The answer is 200 only once the trajectory is in the store: an acknowledged trajectory
         survives any restart."""
-        if self.finished is not None and status == "ok":
+        if self.book.finished is not None and status == "ok":
             # The last step has taken its batch: a trajectory stored now would never be trained.
-            self._fail_session(sess, "training is finished", retry=False)
+            self.book.fail_session(sess, "training is finished", retry=False)
             raise ServiceError(
                 410,
-                f"training is finished ({self.finished}): this trajectory will not be trained",
+                f"training is finished ({self.book.finished}): this trajectory will not be trained",
                 code="training_finished",
             )
         sess.state = "finalizing"
         reason = "finalized as failed by the client"
         try:
             if status == "ok" and final_reward is not None:
-                resp = await self._session_post(
+                resp = await self.forwarder.session_post(
                     sess, routes.SET_REWARD, {"reward": float(final_reward)}
                 )
                 if resp.status_code == 404:
@@ -220,13 +264,13 @@ class Gateway(Forwarder):
                     raise ServiceError(code, _backend_message(resp))
                 elif not sess.rewarded:
                     sess.rewarded = True
-                    await asyncio.to_thread(self.store.update_session, sess.id, rewarded=True)
-            resp = await self._session_post(sess, routes.END_SESSION, {})
+                    await asyncio.to_thread(self.book.store.update_session, sess.id, rewarded=True)
+            resp = await self.forwarder.session_post(sess, routes.END_SESSION, {})
             if resp.status_code >= 400 and resp.status_code not in (409, 410):
                 msg = f"ending the session failed: {_backend_message(resp)}"
                 raise ServiceError(502, msg)
             if status != "ok":
-                self._fail_session(sess, reason, retry=retry)
+                self.book.fail_session(sess, reason, retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
             assert sess.backend is not None
             payload: dict[str, Any] = {
@@ -234,12 +278,14 @@ class Gateway(Forwarder):
                 "discount": self.discount,
                 "style": self.export_style,
             }
-            resp = await self._admin_post(sess.backend, routes.EXPORT_TRAJECTORIES, payload)
+            resp = await self.forwarder.admin_post(
+                sess.backend, routes.EXPORT_TRAJECTORIES, payload
+            )
             if resp.status_code >= 400:
                 raise ServiceError(502, f"export failed: {_backend_message(resp)}")
             export = resp.json()
             if not export.get("trajectories"):
-                self._fail_session(sess, "the session made no completions", retry=retry)
+                self.book.fail_session(sess, "the session made no completions", retry=retry)
                 return {"session_id": sess.id, "status": "failed", "reason": sess.error}
             record = dict(
                 export,
@@ -252,16 +298,16 @@ class Gateway(Forwarder):
                 status="ok",
             )
             self._reconcile_tokens(sess, export)
-            if self.source is not None:
-                await self.source.aput(record, sess.group_id)  # durable before the 200
+            if self.book.source is not None:
+                await self.book.source.aput(record, sess.group_id)  # durable before the 200
             else:
-                await asyncio.to_thread(self.store.update_session, sess.id, "done")
+                await asyncio.to_thread(self.book.store.update_session, sess.id, "done")
         except GroupClosedError as e:
-            self._fail_session(sess, str(e), retry=False)
+            self.book.fail_session(sess, str(e), retry=False)
             raise ServiceError(409, str(e), code="group_closed") from e
         except BaseException as e:
             if sess.state == "finalizing":
-                self._fail_session(sess, f"finalize failed: {e}")
+                self.book.fail_session(sess, f"finalize failed: {e}")
             if isinstance(e, SourceClosedError):
                 raise ServiceError(
                     503,
@@ -270,8 +316,8 @@ class Gateway(Forwarder):
                     retry_after=self.config.drain_retry_after,
                 ) from e
             raise
-        self._release(sess, "done")
-        self.counters["sessions_finalized"] += 1
+        self.book.release(sess, "done")
+        self.book.counters["sessions_finalized"] += 1
         return {
             "session_id": sess.id,
             "status": "ok",
@@ -288,41 +334,38 @@ class Gateway(Forwarder):
                 if isinstance(value, int):
                     total += value
         if total > sess.tokens:
-            self._count_tokens(sess, sess.user, total - sess.tokens)
+            self.book.count_tokens(sess, sess.user, total - sess.tokens)
 
     # -- forwarding ------------------------------------------------------------------------
     async def forward_sessionless(self, request: Request, user: UserKey) -> Response:
         """``/v1/models`` without a session, or inference-only serving (one session per call)."""
         if not self.anonymous_sessions:
             try:
-                backend = self.pool.candidates()[0]
+                backend = self.book.pool.candidates()[0]
             except NoBackendError as e:
                 raise ServiceError(503, str(e)) from e
-            return await self.forward(request, None, backend, backend.admin_key)
-        self._check_rate(user)
-        self._check_quota(user)
+            return await self.forwarder.forward(request, None, backend, backend.admin_key)
+        self.book.check_rate(user)
+        self.book.check_quota(user)
         sess = await self.start_session(user, persist=False)
 
         async def close() -> None:
             try:
-                await self._session_post(sess, routes.END_SESSION, {})
+                await self.forwarder.session_post(sess, routes.END_SESSION, {})
             except ServiceError:
                 pass
-            self._release(sess, "done")  # inference only: never trained on
-            self.sessions.pop(sess.id, None)
+            self.book.release(sess, "done")  # inference only: never trained on
+            self.book.sessions.pop(sess.id, None)
 
         assert sess.backend is not None  # a started session has its backend
         try:
-            return await self.forward(
+            return await self.forwarder.forward(
                 request, sess, sess.backend, sess.session_key, on_close=close, user=user
             )
         except BaseException:
-            self._release(sess, "failed", "request failed")
-            self.sessions.pop(sess.id, None)
+            self.book.release(sess, "failed", "request failed")
+            self.book.sessions.pop(sess.id, None)
             raise
-
-    def _build_app(self) -> FastAPI:
-        return build_app(self)
 
 
 def _backend_message(resp: httpx.Response) -> str:
@@ -378,7 +421,7 @@ class GatewayServer:
 
     @property
     def admin_key(self) -> str:
-        return self.gateway.keys.admin_key
+        return self.gateway.book.keys.admin_key
 
     @property
     def base_url(self) -> str:
@@ -387,7 +430,7 @@ class GatewayServer:
         return f"{self.config.scheme}://{url_host(self.config.host)}:{self.port}"
 
     def add_backend(self, base_url: str, admin_key: str, name: str | None = None) -> Backend:
-        return self.gateway.pool.add(base_url, admin_key, name)
+        return self.gateway.book.pool.add(base_url, admin_key, name)
 
     def check_port(self) -> GatewayServer:
         """Fail now (``PortInUseError``) if the configured port is taken."""
@@ -398,12 +441,12 @@ class GatewayServer:
         """Take no new sessions (503 + Retry-After; with ``finished``, the reason training is
         over: 410 ``training_finished``); open ones may finish. Any thread."""
         if finished is not None:
-            self.gateway.finished = finished
-        self.gateway.draining = True
+            self.gateway.book.finished = finished
+        self.gateway.book.draining = True
 
     @property
     def open_sessions(self) -> int:
-        return self.gateway.open_sessions
+        return self.gateway.book.open_sessions
 
     def start(self, timeout: float = 30.0) -> GatewayServer:
         self._server = ServerThread(

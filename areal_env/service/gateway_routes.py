@@ -1,7 +1,7 @@
 """The gateway's HTTP app: health, the RL session routes (``/rl/v1/...``), the admin routes
 (keys, status) and the model calls (``/v1/...``, forwarded to the session's backend).
 
-Routes only parse and check requests; the work is ``Gateway``'s.
+Routes only parse and check requests; the work is the ``Gateway``'s and its parts'.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def build_app(gw: Gateway) -> FastAPI:
     """The FastAPI app serving ``gw`` (routes registered in the order they are matched)."""
     app = FastAPI(title="areal-env any-agent training service", docs_url=None, redoc_url=None)
-    install_error_handlers(app, gw.counters)
+    install_error_handlers(app, gw.book.counters)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: Exception) -> Response:
@@ -36,8 +36,8 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get(routes.HEALTH)
     async def health() -> dict:
-        healthy = len(gw.pool.healthy())
-        status = "draining" if gw.draining else ("ok" if healthy else "degraded")
+        healthy = len(gw.book.pool.healthy())
+        status = "draining" if gw.book.draining else ("ok" if healthy else "degraded")
         return {"status": status, "backends_healthy": healthy}
 
     _session_routes(app, gw)
@@ -54,7 +54,7 @@ async def _json_body(request: Request) -> dict:
 
 
 def _require_admin(gw: Gateway, request: Request) -> None:
-    if not gw.keys.is_admin(request_key(request)):
+    if not gw.book.keys.is_admin(request_key(request)):
         raise ServiceError(401, "admin key required")
 
 
@@ -63,7 +63,7 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.post(routes.SERVICE_SESSIONS)
     async def create_session(request: Request) -> dict:
-        user, _ = await gw._authenticate(request)
+        user, _ = await gw.book.authenticate(request)
         body = await _json_body(request)
         group_id = body.get("group_id")
         task_id = body.get("task_id")
@@ -77,8 +77,8 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
         return {"session_id": sess.id, "group_id": group_id, "task_id": task_id}
 
     async def describe_session(session_id: str, request: Request) -> dict:
-        user, _ = await gw._authenticate(request)
-        sess = await gw._lookup(session_id)
+        user, _ = await gw.book.authenticate(request)
+        sess = await gw.book.lookup(session_id)
         if sess is None or sess.user.digest != user.digest:
             raise ServiceError(404, f"unknown session {session_id!r}")
         return {
@@ -97,17 +97,17 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get(routes.SERVICE_SESSION)
     async def this_session(request: Request) -> dict:
         """The session named by the header, key or ``/s/{id}`` URL."""
-        user, in_key = await gw._authenticate(request)
-        sid = gw._session_id(request, in_key)
+        user, in_key = await gw.book.authenticate(request)
+        sid = gw.book.session_id_of(request, in_key)
         if not sid:
             raise ServiceError(400, "no session named")
         return await describe_session(sid, request)
 
     @app.post(routes.SERVICE_SET_REWARD)
     async def set_reward(request: Request) -> dict:
-        user, in_key = await gw._authenticate(request)
+        user, in_key = await gw.book.authenticate(request)
         body = await _json_body(request)
-        sess = await gw._session(user, gw._session_id(request, in_key, body))
+        sess = await gw.book.active_session(user, gw.book.session_id_of(request, in_key, body))
         reward = _reward(body.get("reward"), "reward", required=True)
         assert reward is not None  # required=True refuses a missing reward
         completion_id = body.get("completion_id") or body.get("interaction_id")
@@ -115,9 +115,9 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.post(routes.SERVICE_FINALIZE)
     async def finalize(request: Request) -> dict:
-        user, in_key = await gw._authenticate(request)
+        user, in_key = await gw.book.authenticate(request)
         body = await _json_body(request)
-        sid = gw._session_id(request, in_key, body)
+        sid = gw.book.session_id_of(request, in_key, body)
         status = body.get("status", "ok")
         if status not in ("ok", "failed"):
             raise ServiceError(400, "status must be 'ok' or 'failed'")
@@ -125,17 +125,17 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
         if not isinstance(retry, bool):
             raise ServiceError(400, "retry must be true or false")
         final_reward = _reward(body.get("final_reward"), "final_reward", required=False)
-        existing = await gw._lookup(sid) if sid else None
+        existing = await gw.book.lookup(sid) if sid else None
         if (
             existing is not None
             and existing.user.digest == user.digest
             and existing.state == "failed"
             and status == "failed"
         ):
-            if not retry and gw.source is not None and hasattr(gw.source, "abandon"):
-                gw.source.abandon(existing.group_id)
+            if not retry and gw.book.source is not None and hasattr(gw.book.source, "abandon"):
+                gw.book.source.abandon(existing.group_id)
             return {"session_id": sid, "status": "failed", "reason": existing.error}
-        sess = await gw._session(user, sid)
+        sess = await gw.book.active_session(user, sid)
         return await gw.finalize(sess, final_reward, status, retry=retry)
 
 
@@ -157,19 +157,19 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
         key_name = body.get("name")
         if key_name is not None and not isinstance(key_name, str):
             raise ServiceError(400, "name must be a string")
-        key, user = await asyncio.to_thread(gw.keys.issue, name=key_name, **limits)
+        key, user = await asyncio.to_thread(gw.book.keys.issue, name=key_name, **limits)
         logger.info("issued user key %s (%s)", user.key_id, user.name or "unnamed")
         return {"api_key": key, **user.describe()}
 
     @app.get(routes.SERVICE_KEYS)
     async def list_keys(request: Request) -> dict:
         _require_admin(gw, request)
-        return {"keys": [u.describe() for u in gw.keys.list()]}
+        return {"keys": [u.describe() for u in gw.book.keys.list()]}
 
     @app.delete(routes.SERVICE_KEYS + "/{key_id}")
     async def revoke_key(key_id: str, request: Request) -> dict:
         _require_admin(gw, request)
-        user = await asyncio.to_thread(gw.keys.revoke, key_id)
+        user = await asyncio.to_thread(gw.book.keys.revoke, key_id)
         if user is None:
             raise ServiceError(404, f"unknown key {key_id!r}")
         logger.info("revoked user key %s", key_id)
@@ -179,16 +179,16 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
     async def admin_status(request: Request) -> dict:
         _require_admin(gw, request)
         states: dict[str, int] = {}
-        for s in gw.sessions.values():
+        for s in gw.book.sessions.values():
             states[s.state] = states.get(s.state, 0) + 1
         out = {
-            "draining": gw.draining,
-            "backends": [b.describe() for b in gw.pool.all()],
+            "draining": gw.book.draining,
+            "backends": [b.describe() for b in gw.book.pool.all()],
             "sessions": states,
-            "counters": dict(gw.counters),
-            "keys": [u.describe() for u in gw.keys.list()],
+            "counters": dict(gw.book.counters),
+            "keys": [u.describe() for u in gw.book.keys.list()],
         }
-        describe = getattr(gw.source, "describe", None)
+        describe = getattr(gw.book.source, "describe", None)
         if describe is not None:
             out["trajectories"] = describe()
         return out
@@ -199,20 +199,20 @@ def _model_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def model_call(path: str, request: Request) -> Response:
-        user, in_key = await gw._authenticate(request)
-        sid = gw._session_id(request, in_key)
+        user, in_key = await gw.book.authenticate(request)
+        sid = gw.book.session_id_of(request, in_key)
         if sid is None and (
             path == "models" or path.startswith("models/") or gw.anonymous_sessions
         ):
             return await gw.forward_sessionless(request, user)
-        sess = await gw._session(user, sid)
-        gw._check_quota(user)
-        gw._check_rate(user)
+        sess = await gw.book.active_session(user, sid)
+        gw.book.check_quota(user)
+        gw.book.check_rate(user)
         if sess.backend is None or not sess.backend.healthy:
-            gw._fail_session(sess, "its backend went down")
-            await gw._session(user, sid)  # raises the 503
+            gw.book.fail_session(sess, "its backend went down")
+            await gw.book.active_session(user, sid)  # raises the 503
         assert sess.backend is not None
-        return await gw.forward(request, sess, sess.backend, sess.session_key, user=user)
+        return await gw.forwarder.forward(request, sess, sess.backend, sess.session_key, user=user)
 
 
 def _reward(value: Any, name: str, *, required: bool) -> float | None:

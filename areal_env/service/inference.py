@@ -19,11 +19,11 @@ import logging
 import signal
 import sys
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_env.api.service_config import ServiceConfig
-from areal_env.service.lifecycle import ServiceStack
 
 if TYPE_CHECKING:
     from areal_env.engine.policies import PolicyEngines
@@ -67,8 +67,9 @@ def model_name_of(model_dir: Path) -> str:
     return model_dir.name
 
 
-class InferenceService(ServiceStack):
-    """Engine + one proxy + an inference-only gateway; ``start()`` / ``stop()``."""
+class InferenceService:
+    """Engine + one proxy + an inference-only gateway; ``start()`` / ``stop()`` (``with`` works
+    too)."""
 
     def __init__(
         self,
@@ -79,18 +80,44 @@ class InferenceService(ServiceStack):
         max_batch_size: int = 32,
         default_max_tokens: int = 512,
     ) -> None:
+        """``engine``: serve on this (initialized) engine, left running at stop; by default
+        one is made on ``model_dir`` and destroyed at stop."""
         self.model_dir = Path(model_dir)
         self.service = service or ServiceConfig()
         self.engine = engine
-        self._own_engine = engine is None
         self.max_batch_size = max_batch_size
         self.default_max_tokens = default_max_tokens
         self.proxy: Any = None
         self.gateway: Any = None
         self.engines: PolicyEngines | None = None
         """A multi-agent checkpoint's engines (every policy's)."""
+        self._started = ExitStack()
+        """How to stop what started, run in reverse order by ``stop()``."""
 
-    def _start_parts(self) -> None:
+    @property
+    def base_url(self) -> str:
+        return self.gateway.base_url
+
+    def start(self) -> InferenceService:
+        """Start engine, proxy and gateway; a failure half-way stops what did start (servers
+        hold ports and threads) and raises."""
+        with ExitStack() as started:
+            self._start(started)
+            self._started = started.pop_all()
+        return self
+
+    def stop(self) -> None:
+        """Stop in the reverse order of the start: the gateway first, so no new request
+        reaches a stopped proxy, then the proxy, then the engines this service made."""
+        self._started.close()
+
+    def __enter__(self) -> InferenceService:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _start(self, started: ExitStack) -> None:
         from areal_env.api.config import ProxyConfig
         from areal_env.engine.policies import saved_policies
         from areal_env.proxy.policies import PolicyEndpoint
@@ -100,7 +127,8 @@ class InferenceService(ServiceStack):
         policies = None
         if saved_policies(self.model_dir):
             self.engines = _checkpoint_engines(self.model_dir, self.max_batch_size)
-            self.engine, self._own_engine = self.engines.base, False  # the set stops it
+            started.callback(self._destroy_engines)
+            self.engine = self.engines.base  # the set stops it
             policies = {
                 name: PolicyEndpoint(engine, self.engines.tokenizer(name))
                 for name, engine in self.engines.routes.items()
@@ -109,6 +137,7 @@ class InferenceService(ServiceStack):
             from areal_env.engine.local import LocalEngine
 
             self.engine = LocalEngine(str(self.model_dir), max_batch_size=self.max_batch_size)
+            started.callback(self._destroy_engine)
             self.engine.initialize()
         pcfg = ProxyConfig(
             host="127.0.0.1",
@@ -123,20 +152,23 @@ class InferenceService(ServiceStack):
             model_name=model_name_of(self.model_dir),
             policies=policies,
         ).start()
+        started.callback(self.proxy.stop)
         self.gateway = GatewayServer(
             self.service,
             backends=[(self.proxy.base_url, self.proxy.admin_key)],
             anonymous_sessions=True,
-        ).start()
+        )
+        started.callback(self.gateway.stop)
+        self.gateway.start()
 
-    def _stop_backends(self) -> None:
-        self.gateway = None  # stopped by ServiceStack.stop
-        if self.proxy is not None:
-            self.proxy.stop()
-            self.proxy = None
-        if self.engines is not None:
-            self.engines.destroy()
-            self.engines = self.engine = None
+    def _destroy_engines(self) -> None:
+        assert self.engines is not None
+        self.engines.destroy()
+        self.engines = self.engine = None
+
+    def _destroy_engine(self) -> None:
+        self.engine.destroy()
+        self.engine = None
 
 
 def _checkpoint_engines(step_dir: Path, max_batch_size: int) -> PolicyEngines:

@@ -17,12 +17,12 @@ import signal
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_env.api.config import ConfigError, ExperimentConfig, load_config
 from areal_env.api.service_config import ServiceConfig
-from areal_env.service.lifecycle import ServiceStack
 
 if TYPE_CHECKING:
     from areal_env.trainer.ppo import PPOTrainer
@@ -83,8 +83,9 @@ def resume_point(cfg: ExperimentConfig) -> tuple[int, int]:
     return step, int(state.get("version", step))
 
 
-class TrainingService(ServiceStack):
-    """Store + trajectory source + gateway + engine + proxies, started and stopped together.
+class TrainingService:
+    """Store + trajectory source + gateway + engine + proxies, started and stopped together
+    (``with`` works too).
 
     The gateway's port is taken first (a busy port fails before the model loads), and the
     source reloads every acknowledged trajectory the store holds before agents connect.
@@ -93,10 +94,11 @@ class TrainingService(ServiceStack):
     def __init__(
         self, cfg: ExperimentConfig, service: ServiceConfig, *, engine: Any = None
     ) -> None:
+        """``engine``: train on this (uninitialized) engine, left running at stop; by default
+        the configured one is made and destroyed at stop."""
         self.cfg = cfg
         self.service = service
         self.engine = engine
-        self._own_engine = engine is None
         self.engines: Any = None
         """With ``policies:``: every policy's engine (``PolicyEngines``; ``engine`` is their
         base); the proxies route each request's ``model`` to its policy."""
@@ -107,8 +109,33 @@ class TrainingService(ServiceStack):
         self.store_summary: Any = None
         """What the store held at start (``StoreSummary``)."""
         self.resumed_step = 0
+        self._started = ExitStack()
+        """How to stop what started, run in reverse order by ``stop()``."""
 
-    def _start_parts(self) -> None:
+    @property
+    def base_url(self) -> str:
+        return self.gateway.base_url
+
+    def start(self) -> TrainingService:
+        """Start every part; a failure half-way stops what did start (servers hold ports and
+        threads, the store its lock) and raises."""
+        with ExitStack() as started:
+            self._start(started)
+            self._started = started.pop_all()
+        return self
+
+    def stop(self) -> None:
+        """Stop in the reverse order of the start: the gateway first, so no new request
+        reaches a stopped proxy, then the proxies, the engines, the source and the store."""
+        self._started.close()
+
+    def __enter__(self) -> TrainingService:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _start(self, started: ExitStack) -> None:
         from areal_env.proxy.server import ProxyServer
         from areal_env.service.gateway import GatewayServer
         from areal_env.service.source import ExternalTrajectorySource
@@ -116,6 +143,7 @@ class TrainingService(ServiceStack):
 
         run = f"{self.cfg.experiment_name}/{self.cfg.trial_name}"
         self.store = open_store(self.service.store, self.cfg.run_dir, run=run)
+        started.callback(self._close_store)
         self.store_summary = self.store.summary()
         logger.info("service store: %s", redact_url(self.store.url))
         self.source = ExternalTrajectorySource(
@@ -125,6 +153,7 @@ class TrainingService(ServiceStack):
             store=self.store,
             stale_trajectories=self.service.stale_trajectories,
         )
+        started.callback(self.source.close)
         self.gateway = GatewayServer(
             self.service,
             source=self.source,
@@ -138,9 +167,10 @@ class TrainingService(ServiceStack):
         self.source.load(step, trainer_version=version)
         endpoints = None
         if self.cfg.policies:
-            endpoints = self._start_policy_engines()
+            endpoints = self._start_policy_engines(started)
         if self.engine is None:
             self.engine = create_engine(self.cfg)
+            started.callback(self._destroy_engine)
             self.engine.initialize()
         tokenizer = _tokenizer_of(self.engine, self.cfg)
         model_name = (
@@ -151,40 +181,39 @@ class TrainingService(ServiceStack):
                 self.cfg.proxy, host="127.0.0.1", port=0, model_name=model_name
             )
             proxy = ProxyServer(self.engine, tokenizer, pcfg, policies=endpoints).start()
+            started.callback(proxy.stop)
             self.proxies.append(proxy)
             self.gateway.add_backend(proxy.base_url, proxy.admin_key)
+        started.callback(self.gateway.stop)
         self.gateway.start()
 
-    def _start_policy_engines(self) -> dict[str, Any]:
+    def _start_policy_engines(self, started: ExitStack) -> dict[str, Any]:
         """Every policy's engine (the base one made here unless passed in), adapter policies
         answered by the base weights until the trainer pushes their adapters."""
         from areal_env.engine.policies import PolicyEngines
         from areal_env.proxy.policies import PolicyEndpoint
 
         self.engines = PolicyEngines.from_config(self.cfg, base=self.engine)
+        started.callback(self._destroy_engines)
         self.engines.initialize()
         self.engines.load_untrained_adapters()
-        self.engine, self._own_engine = self.engines.base, False  # the set stops it
+        self.engine = self.engines.base  # the set stops it
         return {
             name: PolicyEndpoint(engine, self.engines.tokenizer(name))
             for name, engine in self.engines.routes.items()
         }
 
-    def _stop_backends(self) -> None:
-        if self.source is not None:
-            self.source.close()
-        for p in self.proxies:
-            p.stop()
-        self.proxies = []
-        if self.engines is not None:
-            self.engines.destroy()
-            self.engines = self.engine = None
+    def _destroy_engines(self) -> None:
+        self.engines.destroy()
+        self.engines = self.engine = None
 
-    def stop(self) -> None:
-        super().stop()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+    def _destroy_engine(self) -> None:
+        self.engine.destroy()
+        self.engine = None
+
+    def _close_store(self) -> None:
+        self.store.close()
+        self.store = None
 
 
 def _service_trainer(cfg: ExperimentConfig, svc: TrainingService) -> PPOTrainer:
@@ -400,7 +429,7 @@ async def serve_training(cfg: ExperimentConfig, service: ServiceConfig) -> int:
                     f"service admin key (issues user keys) in {cfg.run_dir / 'service_admin_key'}",
                     flush=True,
                 )
-            if svc.gateway.gateway.open_mode:
+            if svc.gateway.gateway.book.open_mode:
                 print(
                     "no user keys configured: any API key is accepted (loopback only)", flush=True
                 )

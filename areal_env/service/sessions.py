@@ -1,9 +1,10 @@
 """The gateway's session bookkeeping: who a caller is, which session a call names, the
 sessions' states, backend health, quotas, and the durable store writes behind them.
 
-``SessionBook`` holds the gateway's state; ``Gateway`` (``gateway.py``) adds the RL session calls,
-``Forwarder`` (``forwarding.py``) the model-call forwarding, ``gateway_routes.py`` the HTTP app.
-Every store call runs in a worker thread, never on the event loop.
+``SessionBook`` is the gateway's state, shared by its parts: ``Gateway`` (``gateway.py``) runs
+the RL session calls on it, ``Forwarder`` (``forwarding.py``) the calls to the backends, and
+``gateway_routes.py`` the HTTP app. The book makes no HTTP calls itself. Every store call runs in
+a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from areal_env_client import SESSION_HEADER
 from fastapi import Request
 
@@ -99,8 +99,9 @@ class SessionPathApp:
 
 
 class SessionBook:
-    """State and bookkeeping of the gateway (keys, sessions, backends, counters, the store).
-    Runs on one event loop. ``_build_app`` is the subclass's: ``Gateway`` serves its routes."""
+    """State and bookkeeping of the gateway: the user keys, the sessions and their states, the
+    backend pool, the counters, the durable store and the trajectory source. Runs on one event
+    loop; the gateway's parts hold it and change it only through it."""
 
     def __init__(
         self,
@@ -108,12 +109,8 @@ class SessionBook:
         *,
         backends: list[tuple[str, str]] | None = None,
         source: Any | None = None,
-        discount: float = 1.0,
-        export_style: str = "individual",
         keys: KeyStore | None = None,
-        anonymous_sessions: bool = False,
         store: ServiceStore | None = None,
-        max_new_tokens: int | None = None,
     ) -> None:
         self.config = config
         self.store = store if store is not None else open_store(config.store)
@@ -137,12 +134,6 @@ class SessionBook:
         for base_url, admin_key in backends or []:
             self.pool.add(base_url, admin_key)
         self.source = source
-        self.discount = config.discount if config.discount is not None else discount
-        self.export_style = config.export_style or export_style
-        self.anonymous_sessions = anonymous_sessions
-        self.max_new_tokens = max_new_tokens
-        """Cap (and default) of every model call's completion length: the trainer's
-        ``gconfig.max_new_tokens`` governs sampling, whatever an agent asks for."""
         self.sessions: dict[str, GatewaySession] = {}
         self.draining = False
         """Set on shutdown: new sessions get 503 + Retry-After; open ones may finish."""
@@ -157,33 +148,14 @@ class SessionBook:
             "rejected_quota": 0,
             "rejected_rate": 0,
         }
-        self._http: httpx.AsyncClient | None = None
         self._pending: set[asyncio.Task] = set()
-        self.app = SessionPathApp(self._build_app())
 
-    def _build_app(self) -> Any:
-        """The ASGI app serving this gateway (``Gateway`` builds it)."""
-        raise NotImplementedError
+    # -- store writes ----------------------------------------------------------------------
 
-    # -- plumbing --------------------------------------------------------------------------
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=5.0, read=self.config.request_timeout, write=60.0, pool=None
-                ),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-            )
-        return self._http
-
-    async def aclose(self) -> None:
+    async def flush(self) -> None:
+        """Wait for the store writes still running in the background (at stop)."""
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
 
     def _background(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         """Run a blocking store call in a worker thread without waiting for it (state changes
@@ -203,12 +175,14 @@ class SessionBook:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
+    # -- callers and sessions --------------------------------------------------------------
+
     @property
     def open_sessions(self) -> int:
         """Sessions not closed yet (read from other threads too: a snapshot of the values)."""
         return sum(1 for s in list(self.sessions.values()) if s.state in ("open", "finalizing"))
 
-    async def _authenticate(self, request: Request) -> tuple[UserKey, str | None]:
+    async def authenticate(self, request: Request) -> tuple[UserKey, str | None]:
         """The caller's key (→ user) and a session id carried in the key, if any."""
         token = request_key(request)
         user = self.keys.lookup(token)
@@ -230,7 +204,7 @@ class SessionBook:
             )
         return user, session_in_key or None
 
-    async def _lookup(self, session_id: str) -> GatewaySession | None:
+    async def lookup(self, session_id: str) -> GatewaySession | None:
         """A session from memory, or (after a restart) from the store as a closed record."""
         sess = self.sessions.get(session_id)
         if sess is not None:
@@ -258,7 +232,9 @@ class SessionBook:
         self.sessions[rec.id] = sess  # a tombstone, expired like any other
         return sess
 
-    async def _session(self, user: UserKey, session_id: str | None) -> GatewaySession:
+    async def active_session(self, user: UserKey, session_id: str | None) -> GatewaySession:
+        """``user``'s open session ``session_id``; the error a client can act on otherwise
+        (400 none named, 404 unknown, 410 failed, 409 finalized)."""
         if not session_id:
             raise ServiceError(
                 400,
@@ -266,7 +242,7 @@ class SessionBook:
                 "'/s/<session_id>/v1' or the key '<api_key>:<session_id>'; create a session "
                 "with POST /rl/v1/sessions (AgentSession does all of this)",
             )
-        sess = await self._lookup(session_id)
+        sess = await self.lookup(session_id)
         if sess is None or sess.user.digest != user.digest:
             raise ServiceError(404, f"unknown session {session_id!r}")
         if sess.state == "failed":
@@ -281,9 +257,9 @@ class SessionBook:
         sess.last_used = time.monotonic()
         return sess
 
-    def _session_id(
-        self, request: Request, in_key: str | None, body: dict | None = None
-    ) -> str | None:
+    @staticmethod
+    def session_id_of(request: Request, in_key: str | None, body: dict | None = None) -> str | None:
+        """The session a call names: header, key suffix, ``/s/{id}`` URL or body field."""
         return (
             request.headers.get(SESSION_HEADER)
             or in_key
@@ -291,7 +267,14 @@ class SessionBook:
             or ((body or {}).get("session_id") if isinstance(body, dict) else None)
         )
 
-    def _release(self, sess: GatewaySession, state: str, reason: str | None = None) -> None:
+    def add(self, sess: GatewaySession) -> None:
+        """Book a session just started on its backend."""
+        assert sess.backend is not None, "a started session has its backend"
+        sess.backend.open_sessions += 1
+        self.sessions[sess.id] = sess
+        self.counters["sessions_started"] += 1
+
+    def release(self, sess: GatewaySession, state: str, reason: str | None = None) -> None:
         """Close ``sess`` for good (``done`` or ``failed``): free its quota and backend slot."""
         if sess.state in ("done", "failed"):
             return
@@ -302,60 +285,35 @@ class SessionBook:
         if sess.backend is not None:
             sess.backend.open_sessions = max(0, sess.backend.open_sessions - 1)
 
-    def _fail_session(self, sess: GatewaySession, reason: str, *, retry: bool = True) -> None:
+    def fail_session(self, sess: GatewaySession, reason: str, *, retry: bool = True) -> None:
         """Fail ``sess``: excluded from training (the source counts it; its group waits on
         unless the client said it will not retry)."""
         if sess.state in ("done", "failed"):
             return
-        self._release(sess, "failed", reason)
+        self.release(sess, "failed", reason)
         self.counters["sessions_failed"] += 1
         self._background(self.store.update_session, sess.id, "failed", reason)
         if self.source is not None and hasattr(self.source, "put_failed"):
             self.source.put_failed(sess.group_id, reason, retry=retry)
 
-    def _backend_down(self, backend: Backend, error: str, *, conclusive: bool) -> None:
+    def backend_down(self, backend: Backend, error: str, *, conclusive: bool) -> None:
+        """Count a failure of ``backend``; once it is down, its open sessions fail."""
         if self.pool.mark_failure(backend, error, conclusive=conclusive):
             reason = f"its backend {backend.name} went down"
             for sess in list(self.sessions.values()):
                 if sess.backend is backend and sess.state in ("open", "finalizing"):
-                    self._fail_session(sess, reason)
+                    self.fail_session(sess, reason)
 
-    async def _post(
-        self, backend: Backend, path: str, payload: dict, bearer: str, unreachable: str
-    ) -> httpx.Response:
-        """POST to a backend; a transport failure marks it down and answers 503."""
-        try:
-            return await self.http.post(
-                backend.base_url + path,
-                json=payload,
-                headers={"Authorization": f"Bearer {bearer}"},
-            )
-        except httpx.TransportError as e:
-            self._backend_down(
-                backend,
-                f"{type(e).__name__} on {path}",
-                conclusive=isinstance(e, httpx.ConnectError),
-            )
-            raise ServiceError(503, unreachable) from e
+    # -- quotas ----------------------------------------------------------------------------
 
-    async def _admin_post(self, backend: Backend, path: str, payload: dict) -> httpx.Response:
-        unreachable = f"backend {backend.name} is unreachable"
-        return await self._post(backend, path, payload, backend.admin_key, unreachable)
-
-    async def _session_post(self, sess: GatewaySession, path: str, payload: dict) -> httpx.Response:
-        backend = sess.backend
-        assert backend is not None, "closed sessions have no backend"
-        unreachable = f"the backend of session {sess.id} is unreachable"
-        return await self._post(backend, path, payload, sess.session_key, unreachable)
-
-    def _check_quota(self, user: UserKey) -> None:
+    def check_quota(self, user: UserKey) -> None:
         try:
             self.keys.check_tokens(user)
         except QuotaExceededError as e:
             self.counters["rejected_quota"] += 1
             raise ServiceError(429, str(e), retry_after=e.retry_after) from e
 
-    def _check_rate(self, user: UserKey) -> None:
+    def check_rate(self, user: UserKey) -> None:
         """One model call against the key's request rate (``service.requests_per_second``)."""
         try:
             self.keys.check_rate(user)
@@ -365,7 +323,7 @@ class SessionBook:
                 429, str(e), retry_after=e.retry_after, code="rate_limit_exceeded"
             ) from e
 
-    def _count_tokens(self, sess: GatewaySession | None, user: UserKey, tokens: int) -> None:
+    def count_tokens(self, sess: GatewaySession | None, user: UserKey, tokens: int) -> None:
         if tokens <= 0:
             return
         if sess is not None:
@@ -375,38 +333,11 @@ class SessionBook:
 
     # -- maintenance -----------------------------------------------------------------------
 
-    async def probe(self, backend: Backend) -> None:
-        try:
-            resp = await self.http.get(
-                backend.base_url + routes.HEALTH, timeout=self.config.health_timeout
-            )
-            ok = resp.status_code == 200
-            error = f"/health answered {resp.status_code}"
-        except httpx.HTTPError as e:
-            ok, error = False, f"/health: {type(e).__name__}"
-        if ok:
-            self.pool.mark_ok(backend)
-        else:
-            self._backend_down(backend, error, conclusive=False)
-
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for sid, sess in list(self.sessions.items()):
             idle = now - sess.last_used
             if sess.state == "open" and sess.inflight == 0 and idle > self.config.session_ttl:
-                self._fail_session(sess, f"idle for more than {self.config.session_ttl:.0f} s")
+                self.fail_session(sess, f"idle for more than {self.config.session_ttl:.0f} s")
             elif sess.state in ("done", "failed") and idle > _TOMBSTONE_SECONDS:
                 del self.sessions[sid]
-
-    async def maintain(self) -> None:
-        """Background task: probe every backend, expire idle sessions; until cancelled at
-        stop (then pending store writes finish and the HTTP client closes)."""
-        try:
-            while True:
-                await asyncio.gather(
-                    *(self.probe(b) for b in self.pool.all()), return_exceptions=True
-                )
-                self.expire()
-                await asyncio.sleep(self.config.health_interval)
-        finally:
-            await self.aclose()

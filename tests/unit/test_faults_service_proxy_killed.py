@@ -60,7 +60,7 @@ def test_killed_proxy_process_fails_its_sessions_and_the_others_go_on(tokenizer)
             keys = {s: {"Authorization": f"Bearer {USER}:{s}"} for s in sids}
             for s in sids:
                 assert c.post("/v1/chat/completions", json=MSG, headers=keys[s]).status_code == 200
-            owner = {s: gw.gateway.sessions[s].backend.base_url for s in sids}
+            owner = {s: gw.gateway.book.sessions[s].backend.base_url for s in sids}
             assert sorted(owner.values()) == sorted([info["base_url"], local.base_url])
             doomed = next(s for s in sids if owner[s] == info["base_url"])
             alive = next(s for s in sids if s != doomed)
@@ -81,7 +81,7 @@ def test_killed_proxy_process_fails_its_sessions_and_the_others_go_on(tokenizer)
             r = c.post("/rl/v1/finalize", json={"final_reward": 1.0}, headers=keys[alive])
             assert r.status_code == 200 and r.json()["status"] == "ok"
             fresh = c.post("/rl/v1/sessions", json={}, headers=user).json()["session_id"]
-            assert gw.gateway.sessions[fresh].backend.base_url == local.base_url
+            assert gw.gateway.book.sessions[fresh].backend.base_url == local.base_url
             r = c.post(
                 "/v1/chat/completions",
                 json=MSG,

@@ -195,7 +195,7 @@ def test_service_per_key_request_rate(tokenizer):
         body = resp.json()["error"]
         assert body["type"] == "rate_limit_error" and body["code"] == "rate_limit_exceeded"
         assert alice not in resp.text
-        assert stack.gateway.gateway.counters["rejected_rate"] == 1
+        assert stack.gateway.gateway.book.counters["rejected_rate"] == 1
         _, cb = session(bob)  # Bob's own bucket
         assert cb.chat.completions.create(model="m", messages=MSGS).choices[0].message.content
         for sid in (s1, s2):  # finalize is not a model call: not limited

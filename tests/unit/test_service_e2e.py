@@ -137,6 +137,6 @@ def test_two_agent_processes_train_the_service_then_the_checkpoint_is_served(tmp
             ).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "Hi!"}], max_tokens=2
             )
-        assert svc.gateway.gateway.sessions == {}  # throwaway sessions are gone
+        assert svc.gateway.gateway.book.sessions == {}  # throwaway sessions are gone
     finally:
         svc.stop()

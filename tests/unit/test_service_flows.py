@@ -74,7 +74,7 @@ async def test_seed_aiohttp_flow_inside_agent_session(engine, tokenizer):
         episodes = episode_dicts(stack.source.last_batch)
         assert {e["session_id"] for e in episodes} == {s.session_id for s in sessions}
         assert all(e["interactions"][-1]["reward"] == 1.0 for e in episodes)
-        assert stack.gateway.gateway.counters["sessions_failed"] == 0
+        assert stack.gateway.gateway.book.counters["sessions_failed"] == 0
     finally:
         stop(stack)
 

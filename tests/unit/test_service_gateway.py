@@ -129,7 +129,7 @@ async def test_spread_over_two_proxies_and_survive_one_dying(service_stack):
         assert err.value.status_code == 503
         assert "start a new session" in str(err.value)
         await asyncio.sleep(0.5)  # the health probe has failed the other doomed session too
-        state = service_stack.gateway.gateway.sessions[doomed[1].session_id].state
+        state = service_stack.gateway.gateway.book.sessions[doomed[1].session_id].state
         assert state == "failed"
 
         # New sessions land on the survivor and work end to end.
@@ -204,7 +204,7 @@ def test_sync_session_with_sync_openai_client(service_stack):
             client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
             raise ValueError("boom")
     assert s2.finalized["status"] == "failed"
-    assert service_stack.gateway.gateway.sessions[s2.session_id].state == "failed"
+    assert service_stack.gateway.gateway.book.sessions[s2.session_id].state == "failed"
 
 
 @pytest.mark.slow
@@ -379,7 +379,7 @@ async def test_backend_that_comes_back_rejoins_the_rotation(engine, tokenizer):
         gone = stack.proxies[0]
         port, admin_key = gone.port, gone.admin_key
         gone.stop()
-        pool = stack.gateway.gateway.pool
+        pool = stack.gateway.gateway.book.pool
         for _ in range(100):
             if len(pool.healthy()) == 1:
                 break

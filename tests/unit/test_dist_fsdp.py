@@ -83,6 +83,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_two_ranks_step_equals_single_process(tmp_path, model_path):
     common = ["--model", model_path, "--steps", "sgd,adamw"]
     (single,) = run_worker([*common, "--strategy", "single", "--out", str(tmp_path / "s")])
@@ -106,7 +107,9 @@ def test_fsdp_two_ranks_step_equals_single_process(tmp_path, model_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["full", "lora"]
+)
 def test_fsdp_two_ranks_tree_step_equals_single_process_flat(tmp_path, model_path, lora):
     """Tree training under FSDP (and with LoRA adapters): each rank packs its token-balanced
     share of the rows into a trie; the step equals the 1-process flat (unpacked) step."""
@@ -172,6 +175,7 @@ def _load_initial(model_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("save_world,resume_world", [(2, 1), (1, 2)])
+@pytest.mark.extended
 def test_sharded_checkpoint_resumes_across_world_sizes(
     tmp_path, model_path, save_world, resume_world
 ):

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_hardening_quick():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

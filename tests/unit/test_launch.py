@@ -67,6 +67,7 @@ def test_sbatch_script_splits_gpus_and_runs_one_launch_per_node(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_multi_node_rehearsal_two_torchrun_invocations(tmp_path, model_path):
     """Two torchrun invocations (--nnodes 2, one rank each) on 127.0.0.1 run one FSDP step
     together, and it equals the 1-process step."""
@@ -148,6 +149,7 @@ def launch_cmd(config: Path, nproc: int = 2) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.extended
 def test_launch_servers_and_ranks_kill_a_rank_then_resume(tmp_path):
     """2 ``areal-env serve`` servers + 2 FSDP ranks train; killing rank 1 stops the whole job
     with a clear message and no orphans; launching again resumes from the sharded checkpoint."""

@@ -35,6 +35,7 @@ ENV_REWARDS = {0.0, 0.1, 0.5, 1.0}  # the grades examples/aenv/env_tools.py:rewa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.extended
 def test_launch_aenv_agent_two_ranks_two_servers(tmp_path):
     from areal_env.envs.aenv.launcher import AenvServerLauncher
 

@@ -326,6 +326,7 @@ def test_a_model_of_its_own_gets_its_own_engine(model_path, tmp_path):
         apply_lora(model, {"p": LoraConfig(target_modules=["c_attn"])})
 
 
+@pytest.mark.extended
 def test_two_policies_under_fsdp_step_equals_single_process(tmp_path, model_path):
     """Two LoRA policies on one sharded model (2 gloo ranks): policy a's step equals the
     1-process step, and policy b's adapter is bitwise what it was, on both."""

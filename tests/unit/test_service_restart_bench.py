@@ -25,6 +25,7 @@ KEY = "stop-test-key"
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_restarts_lose_and_drop_no_sample(postgres_url):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client")])}
     args = ["--store", "both", "--agents", "2", "--items", "24", "--restarts", "3"]

@@ -108,7 +108,7 @@ def test_chat_json_schema_strict(proxy, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_chat_json_object(proxy, stream):
     async def one(i: int) -> bool:
         _, key = open_session(proxy)
@@ -134,7 +134,7 @@ def test_chat_json_object(proxy, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_strict_tool_forced_by_name(proxy, stream):
     async def one(i: int) -> bool:
         _, key = open_session(proxy)
@@ -165,7 +165,7 @@ def test_strict_tool_forced_by_name(proxy, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_chat_completions_parse(proxy, stream):
     async def one(i: int) -> bool:
         _, key = open_session(proxy)
@@ -185,7 +185,7 @@ def test_chat_completions_parse(proxy, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_responses_text_format(proxy, stream):
     async def one(i: int) -> bool:
         _, key = open_session(proxy)
@@ -231,7 +231,7 @@ def test_anthropic_messages_parse(proxy, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_agents_output_type(proxy, stream):
     from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 

@@ -406,16 +406,9 @@ class PPOTrainer:
 
     async def _update(self, batch: RolloutBatch) -> dict[str, Any]:
         """One PPO update per policy, each on its own rows of the batch (collated into tensors
-        here, once per policy), on every rank. ``actor/updated``: some policy was updated.
-        The token record (``areal-env view``) gets the step's rows with what the update did."""
-        out = await self._update_policies(batch)
-        if self.token_log is not None and not out.get("empty_batch"):
-            self.token_log.commit(self.position.step + 1, batch.trainer_version, batch.groups)
-        return out
-
-    async def _update_policies(self, batch: RolloutBatch) -> dict[str, Any]:
+        here, once per policy), on every rank. ``actor/updated``: some policy was updated."""
         if not self.config.policies:
-            return await self._update_policy(self.policies[None], batch.groups)
+            return await self._update_policy(self.policies[None], batch.groups, batch)
         out: dict[str, Any] = {}
         left_out = unrouted_rows(batch.groups, list(self.policies))
         if left_out:
@@ -430,7 +423,7 @@ class PPOTrainer:
             assert name is not None
             out.update(policy_rollout_stats(batch.groups, name, batch.trainer_version))
             groups = policy_groups(batch.groups, name)
-            stats = await self._update_policy(policy, groups or [])
+            stats = await self._update_policy(policy, groups or [], batch)
             out.update({f"{policy.prefix}{k}": v for k, v in stats.items()})
         out["actor/updated"] = float(
             any(out.get(f"{p.prefix}actor/updated") for p in self.policies.values())
@@ -440,8 +433,12 @@ class PPOTrainer:
         )
         return out
 
-    async def _update_policy(self, policy: Policy, groups: list[list[Episode]]) -> dict[str, Any]:
-        """One PPO update of ``policy`` on ``groups`` (skipped when it has no trained token)."""
+    async def _update_policy(
+        self, policy: Policy, groups: list[list[Episode]], batch: RolloutBatch
+    ) -> dict[str, Any]:
+        """One PPO update of ``policy`` on ``groups`` (skipped when it has no trained token).
+        The token record (``areal-env view``) gets its rows with what the update did: a part
+        of the step per policy."""
         tensors = collate_groups(groups) if any(groups) else None
         if tensors is None or int(tensors["loss_mask"].sum()) == 0:
             if policy.name is None:
@@ -463,6 +460,8 @@ class PPOTrainer:
             return policy.actor.update(tensors, step=step)
 
         ustats = await asyncio.to_thread(update_all_ranks)
+        if self.token_log is not None:
+            self.token_log.commit(step + 1, batch.trainer_version, groups)
         return {
             **ustats,
             "empty_batch": 0.0,

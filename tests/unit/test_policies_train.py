@@ -130,6 +130,14 @@ def test_two_policies_train_resume_after_kill_serve_and_eval(tmp_path):
     for name in updated:
         assert state["policies"][name]["update_count"] == 1
         assert 0 < m1[f"policy/{name}/push_bytes"] < 2_000_000  # the adapter alone
+    # the token record (areal-env view): a part per policy, every row linked to its session
+    from areal_env.view.tokens import TokenRecords
+
+    records = TokenRecords(run_dir)
+    records.refresh()
+    parts = records.parts_of(1)
+    assert len(parts) == 2, [p.index for p in parts]
+    assert all(s["session_id"] for p in parts for s in p.sessions)
     dumps = [
         json.loads(line)
         for f in (run_dir / "rollout").glob("*/*.jsonl")

@@ -79,6 +79,19 @@ class GenerationConfig:
     own: a deliberate, epsilon-greedy-style bias towards trying every offered tool, for a model
     that almost never picks some of them (0 = off; greedy requests ignore it). Engines that
     cannot constrain (SGLang) ignore it."""
+    call_exploration: float = 0.0
+    """Exploration of *whether* to call a tool, where the agent left it to the model
+    (``tool_choice: auto``) right after a tool result: with this probability the proxy starts
+    the reply with a call of one of the offered tools (``prefix_choices`` then hold whole call
+    starts and ``prefix_decision`` is set), so an agent that has learned to answer after one
+    call still tries a second one. Applied by the proxy in ``proxy.sampling: trainer`` mode to
+    sampled completions; greedy ones (evaluation) never explore (0 = off). Engines that cannot
+    constrain (SGLang) ignore it."""
+    prefix_decision: bool = False
+    """The first token of ``prefix_choices`` stands for a decision the proxy took on the
+    policy's behalf (``call_exploration``): it reports the model's own logprob, so it is
+    trained like a choice (a forced token otherwise reports 0 and is left out of the loss),
+    and the row counts as explored (``GenerationResult.explored``)."""
     stop_at_json_end: str | None = None
     """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
     closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
@@ -112,6 +125,14 @@ class GenerationConfig:
             raise ValueError(
                 f"choice_exploration must be in [0, 1] (0 = off), got {self.choice_exploration!r}"
             )
+        if isinstance(self.call_exploration, bool) or not (
+            isinstance(self.call_exploration, int | float) and 0 <= self.call_exploration <= 1
+        ):
+            raise ValueError(
+                f"call_exploration must be in [0, 1] (0 = off), got {self.call_exploration!r}"
+            )
+        if self.prefix_decision and not self.prefix_choices:
+            raise ValueError("prefix_decision needs prefix_choices (the call starts it decides)")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
@@ -195,8 +216,8 @@ class ModelResponse:
     """With ``GenerationConfig.top_logprobs``: per output token, the most likely
     ``(token id, logprob)`` pairs, most likely first (None when not asked for)."""
     explored: int = 0
-    """Output tokens picked by ``choice_exploration``'s uniform draw instead of the model's (0
-    when it never fired). The trainer needs to know: a failed episode whose tool was picked by
+    """Output tokens picked by ``choice_exploration``'s uniform draw instead of the model's, plus
+    one for a call the proxy started by ``call_exploration`` (0 when neither fired). The trainer needs to know: a failed episode whose tool was picked by
     exploration says nothing against the policy's own choice (``actor.punish_failed_exploration``)."""
 
     @property

@@ -395,6 +395,7 @@ class LocalEngine:
                 rng=rng,
                 choices=[list(c) for c in g.prefix_choices] if g.prefix_choices else None,
                 explore=float(g.choice_exploration),
+                decision_pending=bool(g.prefix_decision),
             ),
             json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
             grammar=grammar,

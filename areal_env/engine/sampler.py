@@ -32,6 +32,7 @@ class RowSampling:
     choices: list[list[int]] | None = None  # constrained start (GenerationConfig.prefix_choices)
     explore: float = 0.0  # GenerationConfig.choice_exploration
     explored: int = 0  # tokens this row took from the exploration draw so far
+    decision_pending: bool = False  # GenerationConfig.prefix_decision, until the first token
 
     def allowed(self, out_tokens: list[int]) -> list[int] | None:
         """Tokens allowed next after ``out_tokens`` (None = any): while the output is still a
@@ -136,6 +137,10 @@ def sample_rows_top(
       unrestricted logprob (-38 at T=0.4) made the ratio explode to e^37 as soon as an update
       raised it, and one such token dominated the loss (approx_kl 3e16 at step 3 of a T=0.4 run).
 
+    A row whose first token stands for a decision the proxy took for the policy
+    (``decision_pending``, ``GenerationConfig.prefix_decision``) reports the model's logprob
+    for that token even when it was the only one allowed, and counts as explored.
+
     A sampled constrained row with ``explore > 0`` (``GenerationConfig.choice_exploration``)
     replaces its draw, with that probability, by a uniform pick among the allowed tokens and
     still reports the model's logprob of the token it took, as above (see the field's docs).
@@ -171,6 +176,10 @@ def sample_rows_top(
             # Reported: the model's own (tempered, unrestricted) logprob, which is what the
             # trainer recomputes; a forced token reports 0 (no choice, see the docstring).
             report[i] = logp[i] if n_allowed[i] == 1 else full[i]
+            if rows[i].decision_pending:  # the proxy's decision for the policy: a choice
+                report[i] = full[i]
+                rows[i].decision_pending = False
+                rows[i].explored += 1
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -131,6 +132,8 @@ class ProxyState:
         )
         self.started_at = time.time()
         self.counters = {"requests": 0, "errors": 0, "streams": 0}
+        # draws gconfig.call_exploration's decisions (a request's own seed draws its own)
+        self._explore_rng = random.Random()
 
     # ---- request → prompt ---------------------------------------------------------------------
     def prepare(
@@ -172,9 +175,19 @@ class ProxyState:
         )
         max_new = max(1, min(sampling.max_new_tokens, context_len - n_prompt))
         constraint = self.constraint(creq, route.renderer)
+        can_constrain = self.config.constrain_required and creq.parse_tools and constraint is None
         required = (
-            route.renderer.required_call(creq.tools, creq.tool_choice)
-            if self.config.constrain_required and creq.parse_tools and constraint is None
+            route.renderer.required_call(creq.tools, creq.tool_choice) if can_constrain else None
+        )
+        explored_call = (
+            route.renderer.explored_call(creq.tools)
+            if can_constrain
+            and required is None
+            and creq.tool_choice in (None, "auto")
+            and creq.messages
+            and creq.messages[-1].get("role") == "tool"
+            and sampling.call_exploration > 0
+            and self._call_draw(creq.seed) < sampling.call_exploration
             else None
         )
         try:
@@ -184,11 +197,23 @@ class ProxyState:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 greedy=sampling.greedy,
-                stop=_with_call_stop(creq.stop, required.stop if required else []),
+                stop=_with_call_stop(
+                    creq.stop,
+                    required.stop if required else explored_call.stop if explored_call else [],
+                ),
                 stop_token_ids=list(route.renderer.stop_token_ids),
                 seed=creq.seed,
-                prefix_choices=required.choices if required else None,
-                choice_exploration=sampling.choice_exploration if required else 0.0,
+                prefix_choices=(
+                    required.choices
+                    if required
+                    else explored_call.choices
+                    if explored_call
+                    else None
+                ),
+                choice_exploration=(
+                    sampling.choice_exploration if required or explored_call else 0.0
+                ),
+                prefix_decision=explored_call is not None,
                 stop_at_json_end=required.json_start if required else None,
                 constraint=constraint,
                 top_logprobs=creq.top_logprobs if creq.logprobs else 0,
@@ -207,6 +232,11 @@ class ProxyState:
             protocol=protocol,
             started=time.perf_counter(),
         )
+
+    def _call_draw(self, seed: int | None) -> float:
+        """A uniform draw for ``call_exploration``: from the request's seed when it has one, so
+        a seeded request is reproducible."""
+        return random.Random(seed).random() if seed is not None else self._explore_rng.random()
 
     def constraint(self, creq: CompletionRequest, renderer: ChatRenderer) -> Constraint | None:
         """What constrained decoding holds the reply to: the requested output format (JSON, a

@@ -467,6 +467,21 @@ class ChatRenderer:
             json_start = pre[cut:] if cut >= 0 else None
         return RequiredCall(choices or None, [end] if end else [], json_start)
 
+    def explored_call(self, tools: Any) -> RequiredCall | None:
+        """A reply that starts a call of one of ``tools`` from its first token, for a reply the
+        model was free to give (``tool_choice: auto``): the proxy's ``call_exploration``. The
+        prompt stays the one the agent asked for (no prefill, no "must call" instruction), so
+        what the trained call is learned against is the prompt the model meets unexplored.
+        None when this model family has no name slot to start a call with."""
+        offered = self._offered_tools(tools, "auto")
+        starts = self._format.required_call_starts(offered) if offered else []
+        if not starts:
+            return None
+        opening = self._format.prefill(None)
+        choices = [self._encode(opening + start) for start in starts]
+        end = self._format.calls_end
+        return RequiredCall(choices, [end] if end else [], None)
+
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None
     ) -> list[int]:

@@ -11,8 +11,9 @@ row, where the trainer reads it):
   for is recorded next to what was used (``requested``), so an override is visible.
 - ``agent``: the agent's own parameters are used (unset ones default to 1.0 / off).
 
-``gconfig.choice_exploration`` (exploring the tool a ``required`` call names) is the trainer's
-alone: it applies in ``trainer`` mode to sampled, not greedy, completions and is recorded with
+``gconfig.choice_exploration`` (exploring the tool a ``required`` call names) and
+``gconfig.call_exploration`` (exploring a further call after a tool result) are the trainer's
+alone: they apply in ``trainer`` mode to sampled, not greedy, completions and are recorded with
 each of them.
 
 A session may carry its own parameters (``/rl/start_session`` ``sampling``): evaluation sessions
@@ -42,6 +43,8 @@ class Sampling:
     greedy: bool
     choice_exploration: float = 0.0
     """``GenerationConfig.choice_exploration`` (trainer mode only; 0 when greedy)."""
+    call_exploration: float = 0.0
+    """``GenerationConfig.call_exploration`` (trainer mode only; 0 when greedy)."""
 
     @property
     def logprob_temperature(self) -> float:
@@ -102,13 +105,14 @@ def resolve_sampling(
         g = trainer_gconfig
         t, p, k, greedy = g.temperature, g.top_p, g.top_k, g.is_greedy
         explore = float(g.choice_exploration)
+        explore_call = float(g.call_exploration)
         max_new = min(max_new, g.max_new_tokens)
     else:
         t = 1.0 if temperature is None else temperature
         p = 1.0 if top_p is None or top_p == 0 else top_p
         k = top_k or 0
         greedy = t == 0 or top_p == 0
-        explore = 0.0
+        explore = explore_call = 0.0
     if session:
         t = float(session.get("temperature", t))
         p = float(session.get("top_p", p))
@@ -123,4 +127,5 @@ def resolve_sampling(
         max_new_tokens=int(max_new),
         greedy=bool(greedy),
         choice_exploration=0.0 if greedy else explore,
+        call_exploration=0.0 if greedy else explore_call,
     )

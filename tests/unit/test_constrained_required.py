@@ -258,3 +258,110 @@ def test_forced_tokens_of_a_required_call_are_not_trained(engine):
         assert sum(plain["loss_mask"]) == len(plain["input_ids"]) - plain["loss_mask"].index(1)
     finally:
         proxy.stop()
+
+
+def test_a_decision_token_reports_the_models_logprob_once_and_counts_as_explored():
+    """``prefix_decision``: the first token of the constrained start is the proxy's decision
+    for the policy (``call_exploration``). Though forced, it reports the model's own logprob (so
+    it is trained) and the row counts as explored; the forced tokens after it report 0."""
+    logits = torch.full((1, 20), -5.0)
+    logits[0, 7] = 8.0  # the model all but never starts with 9
+    model_logp = torch.log_softmax(logits[0], dim=-1)
+    row = RowSampling(False, 1.0, 0, 1.0, random.Random(3), decision_pending=True)
+    tokens, logps = sample_rows(logits, [row], [[9]])
+    assert tokens == [9] and abs(logps[0] - model_logp[9]) < 1e-5 and logps[0] < -10
+    assert row.explored == 1 and not row.decision_pending
+    tokens, logps = sample_rows(logits, [row], [[11]])
+    assert tokens == [11] and logps == [0.0] and row.explored == 1
+
+
+def test_call_exploration_is_validated_and_trainer_governed():
+    import pytest
+
+    from areal_env.proxy.sampling import resolve_sampling
+
+    with pytest.raises(ValueError, match="call_exploration"):
+        GenerationConfig(call_exploration=-0.1)
+    with pytest.raises(ValueError, match="prefix_decision needs prefix_choices"):
+        GenerationConfig(prefix_decision=True)
+    g = GenerationConfig(temperature=0.7, call_exploration=0.3)
+    kw = dict(temperature=0.2, top_p=None, top_k=None, max_tokens=8, default_max_tokens=8)
+    assert resolve_sampling("trainer", g, None, **kw).call_exploration == 0.3
+    assert resolve_sampling("agent", g, None, **kw).call_exploration == 0.0
+    assert resolve_sampling("trainer", g, {"greedy": True}, **kw).call_exploration == 0.0
+
+
+AFTER_A_RESULT = [
+    {"role": "user", "content": "What is 3 times 4, plus 5?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "times", "arguments": '{"x": 3, "y": 4}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "12"},
+]
+
+
+def _after_a_result(proxy: ProxyServer, messages: list, seed: int, **kw) -> tuple[object, dict]:
+    sid, key = open_session(proxy)
+    client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+    out = client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, max_tokens=24, seed=seed, **kw
+    )
+    return out.choices[0].message, export_session(proxy, sid)
+
+
+def test_call_exploration_starts_a_further_call_after_a_tool_result(engine):
+    """With ``call_exploration`` the proxy starts the reply with a call where the agent left the
+    choice to the model (``auto``) after a tool result. The prompt is the agent's own (no
+    prefill, no "must call" line); the decision token is trained with the model's logprob, the
+    forced rest of the call start is not; the row is marked explored. Greedy requests, first
+    turns and ``tool_choice: none`` are never explored."""
+    gconfig = GenerationConfig(max_new_tokens=24, temperature=0.01, call_exploration=1.0)
+    proxy = ProxyServer(
+        engine, engine.tokenizer, ProxyConfig(sampling="trainer"), train_gconfig=gconfig
+    ).start()
+    try:
+        names = set()
+        for seed in range(6):
+            message, exported = _after_a_result(proxy, AFTER_A_RESULT, seed)
+            assert message.tool_calls, message  # the reply is a call
+            names.add(message.tool_calls[0].function.name)
+            (info,) = exported["interactions"]
+            (row,) = exported["trajectories"].values()
+            assert row["explored"] is True
+            assert info["sampling"]["call_exploration"] == 1.0
+            start = info["num_prompt_tokens"]
+            mask, logps = row["loss_mask"], row["logprobs"]
+            assert mask[start] == 1 and logps[start] < 0  # the decision: trained
+            forced = [i for i in range(start + 1, len(mask)) if logps[i] == 0.0]
+            assert forced and all(mask[i] == 0 for i in forced)
+        assert names <= {"plus", "times"}
+        # the same prompt as an unexplored request's: nothing was added to it
+        proxy.state.train_gconfig = gconfig.new(call_exploration=0.0)
+        _, plain = _after_a_result(proxy, AFTER_A_RESULT, 0)
+        assert plain["interactions"][0]["num_prompt_tokens"] == start
+        assert [r["explored"] for r in plain["trajectories"].values()] == [False]
+        proxy.state.train_gconfig = gconfig
+        for messages, kw in (
+            (AFTER_A_RESULT[:1], {}),  # a first turn: the agent's own tool_choice decides
+            (AFTER_A_RESULT, {"tool_choice": "none"}),
+        ):
+            _, exported = _after_a_result(proxy, messages, 1, **kw)
+            assert [r["explored"] for r in exported["trajectories"].values()] == [False]
+        # greedy (evaluation) sessions never explore
+        sid, key = open_session(proxy, sampling={"greedy": True})
+        client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(
+            model="m", messages=AFTER_A_RESULT, tools=TOOLS, max_tokens=24, seed=1
+        )
+        rows = export_session(proxy, sid)["trajectories"].values()
+        assert [r["explored"] for r in rows] == [False]
+    finally:
+        proxy.stop()

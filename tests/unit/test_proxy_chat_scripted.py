@@ -117,3 +117,50 @@ def test_responses_object_echoes_store_reasoning_and_text(scripted_proxy, engine
     assert r.text.format.type == "json_schema" and r.text.format.name == "A"
     assert r.text.verbosity == "low"
     assert r.output_text == '{"a": 1}'
+
+
+def test_responses_logprobs_asked_for_by_include(scripted_proxy, engine):
+    """``include: ["message.output_text.logprobs"]`` returns the text's logprobs, in the answer
+    and in the stream's delta and done events; a reply that also calls a tool keeps the call's
+    tokens out of its text part; without ``include`` the list stays empty."""
+    engine.push(
+        Reply(text="Fine, thanks.", logprobs=-0.25),
+        Reply(text="Let me look." + CALL, logprobs=-0.5),
+        Reply(text="Streaming works.", logprobs=-0.75),
+        "No logprobs here.",
+    )
+    _, key = open_session(scripted_proxy)
+    client = _client(scripted_proxy, key)
+    include = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    r = client.responses.create(model="m", input="How are you?", include=include)
+    (part,) = r.output[0].content
+    assert "".join(e.token for e in part.logprobs) == "Fine, thanks."
+    assert all(e.logprob == pytest.approx(-0.25) and e.bytes for e in part.logprobs)
+    r = client.responses.create(
+        model="m", input="Look x up.", tools=_RESPONSES_TOOLS, include=include
+    )
+    (part,) = r.output[0].content
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert "".join(e.token for e in part.logprobs).startswith("Let me look.")
+    assert "tool_call" not in "".join(e.token for e in part.logprobs)
+    events = list(client.responses.create(model="m", input="Stream.", include=include, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1
+    assert "".join(lp.token for e in deltas for lp in e.logprobs) == "Streaming works."
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == [lp.token for e in deltas for lp in e.logprobs]
+    final = events[-1].response.output[0].content[0]
+    assert "".join(e.token for e in final.logprobs) == "Streaming works."
+    r = client.responses.create(model="m", input="Plain.")
+    assert r.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model="m", input="x", include="all")  # type: ignore[arg-type]
+
+
+_RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+    }
+]

@@ -289,6 +289,25 @@ def test_constrained_tokens_report_the_models_logprobs_and_forced_ones_leave_the
     assert all(e.top_logprobs[0].logprob >= e.logprob for e in entries)
 
 
+def test_responses_top_logprobs_from_the_model(proxy):
+    """The Responses API's ``top_logprobs`` with ``include``: each token of the text has the
+    model's most likely alternatives, as many as asked for, and the response echoes the count."""
+    _, key = open_session(proxy)
+    client = openai.OpenAI(base_url=proxy.openai_base_url, api_key=key, max_retries=0)
+    r = client.responses.create(
+        model="m",
+        input="Name a colour.",
+        max_output_tokens=6,
+        top_logprobs=3,
+        include=["message.output_text.logprobs"],
+    )
+    assert r.top_logprobs == 3
+    (part,) = r.output[0].content
+    assert part.logprobs and "".join(e.token for e in part.logprobs) == part.text
+    assert all(len(e.top_logprobs) == 3 for e in part.logprobs)
+    assert all(e.top_logprobs[0].logprob >= e.logprob for e in part.logprobs)
+
+
 def _rows_batch(rows: list[dict]) -> dict:
     """Exported rows as the actor's batch (right-padded), with alternating rewards."""
     import torch

@@ -137,6 +137,12 @@ def parse_request(body: Any) -> CompletionRequest:
     if reasoning is not None and not isinstance(reasoning, dict):
         raise common.bad_request("'reasoning' must be an object", "reasoning")
     store = common.opt_bool(body, "store")
+    include = body.get("include")
+    if include is not None and not (
+        isinstance(include, list) and all(isinstance(x, str) for x in include)
+    ):
+        raise common.bad_request("'include' must be a list of strings", "include")
+    top_logprobs = common.opt_int(body, "top_logprobs", 0, 20)
     req = CompletionRequest(
         messages=convert_input(body.get("instructions"), body.get("input")),
         tools=tools,
@@ -147,6 +153,10 @@ def parse_request(body: Any) -> CompletionRequest:
         stream=bool(common.opt_bool(body, "stream")),
         model=model if isinstance(model, str) else None,
         output_format=output_format,
+        # logprobs of the output text: asked for by ``include`` (OpenAI's way) or implied by
+        # ``top_logprobs``; other ``include`` values (encrypted reasoning, ...) have nothing here
+        logprobs=LOGPROBS_INCLUDE in (include or []) or bool(top_logprobs),
+        top_logprobs=top_logprobs or 0,
     )
     prev = common.opt_str(body, "previous_response_id")
     if prev:
@@ -157,6 +167,7 @@ def parse_request(body: Any) -> CompletionRequest:
         "tool_choice": body.get("tool_choice") or "auto",
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "top_logprobs": top_logprobs,
         "max_output_tokens": req.max_tokens,
         "previous_response_id": prev,
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
@@ -171,20 +182,41 @@ def parse_request(body: Any) -> CompletionRequest:
     return req
 
 
+#: The ``include`` value that asks for the logprobs of the output text.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
 def message_item(
-    text: str, item_id: str | None = None, status: str = "completed"
+    text: str,
+    item_id: str | None = None,
+    status: str = "completed",
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "type": "message",
         "id": item_id or _item_id("msg"),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [part],
     }
+
+
+def text_logprobs(entries: list[dict[str, Any]] | None, text: str) -> list[dict[str, Any]]:
+    """The entries of the tokens that wrote ``text``, the start of the output: a reply that also
+    calls tools has the calls' tokens after its text, and those belong to no text part."""
+    out: list[dict[str, Any]] = []
+    written = 0
+    for e in entries or []:
+        if written >= len(text):
+            break
+        out.append(e)
+        written += len(e["token"])
+    return out
 
 
 def function_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -241,16 +273,22 @@ def response_object(
         "tool_choice": echo.get("tool_choice", "auto"),
         "tools": echo.get("tools", []),
         "top_p": echo.get("top_p"),
+        "top_logprobs": echo.get("top_logprobs"),
         "truncation": "disabled",
         "usage": usage_obj,
         "metadata": echo.get("metadata", {}),
     }
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+def output_items(
+    message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The output items of an assistant message; ``logprobs`` (OpenAI entries of the whole
+    output) go with its text."""
     items = []
     if message.get("content"):
-        items.append(message_item(message["content"]))
+        text = message["content"]
+        items.append(message_item(text, logprobs=text_logprobs(logprobs, text)))
     for c in message.get("tool_calls") or []:
         items.append(function_item(c))
     return items
@@ -274,6 +312,7 @@ class EventWriter:
         self._output: list[dict[str, Any]] = []
         self._msg: dict[str, Any] | None = None
         self._text = ""
+        self._logprobs: list[dict[str, Any]] = []  # of the open text part
 
     def _ev(self, obj: dict[str, Any]) -> bytes:
         obj["sequence_number"] = self._seq
@@ -320,6 +359,7 @@ class EventWriter:
                 }
             )
         self._text += delta
+        self._logprobs.extend(logprobs or [])
         return out + self._ev(
             {
                 "type": "response.output_text.delta",
@@ -327,7 +367,7 @@ class EventWriter:
                 "output_index": len(self._output),
                 "content_index": 0,
                 "delta": delta,
-                "logprobs": [],
+                "logprobs": logprobs or [],
             }
         )
 
@@ -335,7 +375,7 @@ class EventWriter:
         if self._msg is None:
             return b""
         idx = len(self._output)
-        item = message_item(self._text, self._msg["id"])
+        item = message_item(self._text, self._msg["id"], logprobs=self._logprobs)
         part = item["content"][0]
         out = self._ev(
             {
@@ -344,7 +384,7 @@ class EventWriter:
                 "output_index": idx,
                 "content_index": 0,
                 "text": self._text,
-                "logprobs": [],
+                "logprobs": self._logprobs,
             }
         )
         out += self._ev(
@@ -359,6 +399,7 @@ class EventWriter:
         out += self._ev({"type": "response.output_item.done", "output_index": idx, "item": item})
         self._output.append(item)
         self._msg = None
+        self._logprobs = []
         return out
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
@@ -409,7 +450,7 @@ def build_response(answer: Answer) -> dict[str, Any]:
         response_id=answer.id,
         model=answer.model,
         echo=answer.creq.extra.get("echo", {}),
-        output=output_items(answer.message),
+        output=output_items(answer.message, answer.logprobs),
         status=status_of(answer.finish_reason),
         finish_reason=answer.finish_reason,
         usage_obj=usage(answer.prompt_tokens, answer.completion_tokens),

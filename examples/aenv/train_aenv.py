@@ -12,6 +12,7 @@ the config (``rollout.n_samples=8``, ``workflow_kwargs.max_turns=2``, ...).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -38,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="do not resume from a checkpoint of an earlier run (trainer.recover=off)",
     )
+    p.add_argument(
+        "--metrics-out",
+        default=None,
+        help="also write the final metrics to this JSON file (bench/learning.py reads it)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
     return p.parse_intermixed_args(argv)
 
@@ -45,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     metrics = run(argv)
     report(metrics)
+    out = parse_args(argv).metrics_out
+    if out:
+        plain = {k: v for k, v in metrics.items() if isinstance(v, str | int | float | bool)}
+        Path(out).write_text(json.dumps(plain), encoding="utf-8")
     return 0
 
 

@@ -181,15 +181,16 @@ class ProxyState:
         )
         explored_call = (
             route.renderer.explored_call(creq.tools)
-            if can_constrain
+            if sampling.call_exploration > 0
+            and can_constrain
             and required is None
             and creq.tool_choice in (None, "auto")
             and creq.messages
             and creq.messages[-1].get("role") == "tool"
-            and sampling.call_exploration > 0
             and self._call_draw(creq.seed) < sampling.call_exploration
             else None
         )
+        start = required or explored_call  # the constrained start of the reply, if any
         try:
             gconfig = GenerationConfig(
                 max_new_tokens=max_new,
@@ -197,24 +198,13 @@ class ProxyState:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 greedy=sampling.greedy,
-                stop=_with_call_stop(
-                    creq.stop,
-                    required.stop if required else explored_call.stop if explored_call else [],
-                ),
+                stop=_with_call_stop(creq.stop, start.stop if start else []),
                 stop_token_ids=list(route.renderer.stop_token_ids),
                 seed=creq.seed,
-                prefix_choices=(
-                    required.choices
-                    if required
-                    else explored_call.choices
-                    if explored_call
-                    else None
-                ),
-                choice_exploration=(
-                    sampling.choice_exploration if required or explored_call else 0.0
-                ),
+                prefix_choices=start.choices if start else None,
+                choice_exploration=sampling.choice_exploration if start else 0.0,
                 prefix_decision=explored_call is not None,
-                stop_at_json_end=required.json_start if required else None,
+                stop_at_json_end=start.json_start if start else None,
                 constraint=constraint,
                 top_logprobs=creq.top_logprobs if creq.logprobs else 0,
             )

@@ -102,10 +102,10 @@ def _completion_routes(app: FastAPI, state: ProxyState) -> None:
         prep = state.prepare(session, creq, proto.name, proto.id_prefix)
         model = creq.model or state.model_name
         if creq.stream:
-            agen, first = await state.open_stream(prep)
+            opened = await state.open_stream(prep)
             writer = proto.stream(prep.interaction_id, model, creq, len(prep.prompt_ids))
             return StreamingResponse(
-                state.stream(prep, agen, first, writer, model),
+                state.stream(opened, writer, model),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )

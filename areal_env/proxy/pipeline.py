@@ -36,6 +36,7 @@ from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitErr
 from areal_env.proxy.policies import PolicyEndpoint, PolicyRoute, PolicyRoutes, make_route
 from areal_env.proxy.protocols.common import (
     Answer,
+    ChoicesWriter,
     CompletionRequest,
     StreamWriter,
     TextStream,
@@ -64,6 +65,58 @@ class Prepared:
     interaction_id: str
     protocol: str
     started: float
+
+
+@dataclass
+class OpenStream:
+    """One choice's engine stream, started: its first chunk is already in."""
+
+    prep: Prepared
+    agen: AsyncGenerator[StreamChunk, None]
+    first: StreamChunk
+    closed: bool = False
+
+    async def close(self) -> None:
+        """Stop the engine stream and release the session's in-flight count (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.prep.session.in_flight -= 1
+        self.prep.session.touch()
+        with contextlib.suppress(Exception):
+            await self.agen.aclose()
+
+
+async def interleave(parts: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of ``parts`` as each produces them. The first error stops them all and is
+    raised; so is closing this iterator early."""
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+    async def pump(part: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in part:
+                await queue.put(item)
+            await queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(p)) for p in parts]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ProxyState:
@@ -458,10 +511,20 @@ class ProxyState:
         )
 
     # ---- streaming ----------------------------------------------------------------------------
-    async def open_stream(
-        self, prep: Prepared
-    ) -> tuple[AsyncGenerator[StreamChunk, None], StreamChunk]:
-        """Start the engine stream and wait for its first chunk, so errors still get a status."""
+    async def open_stream(self, prep: Prepared) -> list[OpenStream]:
+        """Start one engine stream per choice (``n``) and wait for each first chunk, so that
+        errors still get a status. Either all choices are open or none is."""
+        preps = self.choices(prep)
+        results = await asyncio.gather(*(self._open_one(p) for p in preps), return_exceptions=True)
+        opened = [r for r in results if isinstance(r, OpenStream)]
+        failed = [r for r in results if not isinstance(r, OpenStream)]
+        if failed:
+            for o in opened:
+                await o.close()
+            raise failed[0]
+        return opened
+
+    async def _open_one(self, prep: Prepared) -> OpenStream:
         agen = prep.route.engine.agenerate_stream(self.model_request(prep))
         prep.session.in_flight += 1
         try:
@@ -472,59 +535,30 @@ class ProxyState:
             with contextlib.suppress(Exception):
                 await agen.aclose()
             raise
-        return agen, first
+        return OpenStream(prep, agen, first)
 
     async def stream(
-        self,
-        prep: Prepared,
-        agen: AsyncGenerator[StreamChunk, None],
-        first: StreamChunk,
-        writer: StreamWriter,
-        model: str,
+        self, opened: list[OpenStream], writer: StreamWriter, model: str
     ) -> AsyncIterator[bytes]:
-        """Run one stream: text deltas as tokens arrive, then calls, finish and usage events,
-        written by the protocol's ``writer``."""
+        """Run a request's streams: text deltas as tokens arrive, then calls, finish and usage
+        events, written by the protocol's ``writer``. With ``n > 1`` the choices' events
+        interleave as their tokens arrive (each event names its choice), then one trailer."""
         self.counters["streams"] += 1
-        creq, route = prep.creq, prep.route
+        answers: list[Answer | None] = [None] * len(opened)
         try:
-            yield writer.start()
-            ts = TextStream(
-                route.tokenizer,
-                skip_ids=route.skip_ids,
-                tool_markers=route.tool_markers if creq.parse_tools else (),
-                stop=creq.stop,
-            )
-            if creq.parse_tools and route.renderer.prefill_text(creq.tools, creq.tool_choice):
-                ts.in_tool_call = True  # the prompt already opened a call
-            pending_lp: list[dict[str, Any]] = []
-            chunk = first
-            while True:
-                if creq.logprobs and chunk.token_ids:
-                    pending_lp.extend(
-                        self.logprob_entries(
-                            route, chunk.token_ids, chunk.logprobs, chunk.top_logprobs
-                        )
-                    )
-                text = ts.add(chunk.token_ids)
-                if text:
-                    yield writer.text(text, pending_lp)
-                    pending_lp = []
-                if chunk.final is not None:
-                    break
-                with self.engine_errors(prep):
-                    chunk = await agen.__anext__()
-            text = ts.finish()
-            if text:
-                yield writer.text(text, pending_lp)
-                pending_lp = []
-            done = self.record(prep, chunk.final, model)
-            rest = content_remainder(done.message.get("content"), ts.emitted_text)
-            if rest:
-                yield writer.text(rest, pending_lp)
-                pending_lp = []
-            if done.message.get("tool_calls"):
-                yield writer.tool_calls(done.message["tool_calls"])
-            yield writer.finish(done, pending_lp)
+            if len(opened) == 1:
+                async for event in self._choice_events(opened[0], writer, model, answers, 0):
+                    yield event
+            else:
+                if not isinstance(writer, ChoicesWriter):  # parse_request refuses n > 1
+                    raise HTTPError(400, "this protocol streams one choice only", param="n")
+                parts = [
+                    self._choice_events(o, writer.choice(i), model, answers, i)
+                    for i, o in enumerate(opened)
+                ]
+                async for event in interleave(parts):
+                    yield event
+                yield writer.end([a for a in answers if a is not None])
         except HTTPError as e:
             self.counters["errors"] += 1
             yield writer.error(e)
@@ -535,10 +569,56 @@ class ProxyState:
             self.counters["errors"] += 1
             yield writer.error(HTTPError(500, "internal error while streaming"))
         finally:
-            prep.session.in_flight -= 1
-            prep.session.touch()
-            with contextlib.suppress(Exception):
-                await agen.aclose()
+            for o in opened:
+                await o.close()
+
+    async def _choice_events(
+        self,
+        opened: OpenStream,
+        writer: StreamWriter,
+        model: str,
+        answers: list[Answer | None],
+        index: int,
+    ) -> AsyncIterator[bytes]:
+        """One choice's events; its finished answer goes to ``answers[index]``."""
+        prep, agen, chunk = opened.prep, opened.agen, opened.first
+        creq, route = prep.creq, prep.route
+        yield writer.start()
+        ts = TextStream(
+            route.tokenizer,
+            skip_ids=route.skip_ids,
+            tool_markers=route.tool_markers if creq.parse_tools else (),
+            stop=creq.stop,
+        )
+        if creq.parse_tools and route.renderer.prefill_text(creq.tools, creq.tool_choice):
+            ts.in_tool_call = True  # the prompt already opened a call
+        pending_lp: list[dict[str, Any]] = []
+        while True:
+            if creq.logprobs and chunk.token_ids:
+                pending_lp.extend(
+                    self.logprob_entries(route, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                )
+            text = ts.add(chunk.token_ids)
+            if text:
+                yield writer.text(text, pending_lp)
+                pending_lp = []
+            if chunk.final is not None:
+                break
+            with self.engine_errors(prep):
+                chunk = await agen.__anext__()
+        text = ts.finish()
+        if text:
+            yield writer.text(text, pending_lp)
+            pending_lp = []
+        done = self.record(prep, chunk.final, model)
+        answers[index] = done
+        rest = content_remainder(done.message.get("content"), ts.emitted_text)
+        if rest:
+            yield writer.text(rest, pending_lp)
+            pending_lp = []
+        if done.message.get("tool_calls"):
+            yield writer.tool_calls(done.message["tool_calls"])
+        yield writer.finish(done, pending_lp)
 
     # ---- health -------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from areal_env.api.engine import EngineUnavailableError
 from areal_env.engine.testing import Reply
 from tests.fixtures.proxy import export_session, open_session
 
@@ -95,6 +96,73 @@ def test_n_choices_are_branches_of_the_session_tree(scripted_proxy, engine):
     assert len(its) == 3 and len(exported["trajectories"]) == 3
     assert len({it["id"] for it in its}) == 3
     assert r.usage.completion_tokens == sum(it["num_output_tokens"] for it in its)
+
+
+def test_n_choices_stream_interleaved_with_one_trailer(scripted_proxy, engine):
+    """``n=3`` with ``stream: true``: each chunk names its choice, the choices' tokens
+    interleave as they arrive (the slow one finishes last), each choice has its own finish
+    reason (a call for one of them), one usage chunk sums the three and each choice is
+    recorded as its own interaction."""
+    engine.push(
+        Reply(text="Red, as ever.", delay=0.005),
+        Reply(text="Green, like grass in spring.", delay=0.2),
+        Reply(text=CALL, delay=0.005),
+    )
+    sid, key = open_session(scripted_proxy)
+    chunks = list(
+        _client(scripted_proxy, key).chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Name a colour."}],
+            tools=TOOLS,
+            n=3,
+            stream=True,
+            logprobs=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    by_choice: dict[int, list] = {}
+    for c in chunks:
+        for ch in c.choices:
+            by_choice.setdefault(ch.index, []).append(ch)
+    assert sorted(by_choice) == [0, 1, 2]
+    texts = {i: "".join(ch.delta.content or "" for ch in v) for i, v in by_choice.items()}
+    finishes = {i: [ch.finish_reason for ch in v if ch.finish_reason] for i, v in by_choice.items()}
+    calls = {
+        i: [tc.function.name for ch in v for tc in ch.delta.tool_calls or []]
+        for i, v in by_choice.items()
+    }
+    (called,) = [i for i in calls if calls[i]]
+    assert calls[called] == ["lookup"] and finishes[called] == ["tool_calls"]
+    others = sorted(texts[i] for i in texts if i != called)
+    assert others == ["Green, like grass in spring.", "Red, as ever."]
+    assert all(finishes[i] == ["stop"] for i in texts if i != called)
+    order = [ch.index for c in chunks for ch in c.choices]
+    slow = next(i for i in texts if texts[i].startswith("Green"))
+    assert order[-1] == slow and len(set(order[:4])) > 1, order  # interleaved, not in turn
+    for i, v in by_choice.items():
+        lps = [e.token for ch in v if ch.logprobs for e in ch.logprobs.content or []]
+        assert "".join(lps) == (texts[i] if i != called else CALL)
+    assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[-1].usage
+    exported = export_session(scripted_proxy, sid)
+    its = exported["interactions"]
+    assert len(its) == 3
+    assert chunks[-1].usage.completion_tokens == sum(it["num_output_tokens"] for it in its)
+    assert scripted_proxy.state.registry.get(sid).in_flight == 0
+
+
+def test_n_choices_stream_refused_whole_when_one_choice_cannot_start(scripted_proxy, engine):
+    """A choice whose engine stream fails to start fails the request with a status (nothing
+    half-streamed), and the choices that did start are released."""
+    engine.push("Red.", EngineUnavailableError("no server left"))
+    sid, key = open_session(scripted_proxy)
+    with pytest.raises(openai.APIStatusError) as e:
+        list(
+            _client(scripted_proxy, key).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], n=2, stream=True
+            )
+        )
+    assert e.value.status_code == 503
+    assert scripted_proxy.state.registry.get(sid).in_flight == 0
 
 
 def test_responses_object_echoes_store_reasoning_and_text(scripted_proxy, engine):

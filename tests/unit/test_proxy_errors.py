@@ -72,7 +72,6 @@ def key(proxy_server):
             },
             "messages[0].content",
         ),
-        ({"model": "m", "messages": MSGS, "n": 2, "stream": True}, "n"),
         ({"model": "m", "messages": MSGS, "n": 17}, "n"),
         ({"model": "m", "messages": MSGS, "response_format": {"type": "xml"}}, "response_format"),
         (

@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from areal_env.http.errors import HTTPError, bad_request, openai_error_body
 from areal_env.proxy.content import ContentError, content_text
@@ -136,6 +136,16 @@ class StreamWriter(Protocol):
     def finish(self, answer: Answer, logprobs: list[dict[str, Any]]) -> bytes: ...
 
     def error(self, err: HTTPError) -> bytes: ...
+
+
+@runtime_checkable
+class ChoicesWriter(StreamWriter, Protocol):
+    """A stream writer for several choices (``n > 1``): ``choice(i)`` writes choice ``i``'s
+    events (with no trailer), ``end`` the trailer once every choice has finished."""
+
+    def choice(self, index: int) -> StreamWriter: ...
+
+    def end(self, answers: list[Answer]) -> bytes: ...
 
 
 @dataclass(frozen=True)

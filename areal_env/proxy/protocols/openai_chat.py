@@ -7,6 +7,7 @@ joined so the same turn always hashes the same), tool calls with string argument
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -158,12 +159,6 @@ def parse_request(body: Any) -> CompletionRequest:
     n = common.opt_int(body, "n", 1, MAX_CHOICES) or 1
     tools = convert_tools(body.get("tools"))
     stream = bool(common.opt_bool(body, "stream"))
-    if stream and n > 1:
-        raise common.bad_request(
-            "n > 1 is answered without streaming only: send stream: false, or one request "
-            "per choice",
-            "n",
-        )
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise common.bad_request("'stream_options' must be an object", "stream_options")
@@ -232,13 +227,22 @@ def build_response(answer: Answer) -> dict[str, Any]:
 
 
 class ChunkWriter:
-    """``chat.completion.chunk`` SSE events for one streamed completion (a StreamWriter)."""
+    """``chat.completion.chunk`` SSE events for one streamed completion (a ChoicesWriter).
+
+    With ``n > 1`` each choice writes through ``choice(i)`` (its chunks carry ``index: i``) and
+    the usage chunk and ``[DONE]`` come once, from ``end``, after every choice finished."""
 
     def __init__(
-        self, completion_id: str, model: str, creq: CompletionRequest, prompt_tokens: int = 0
+        self,
+        completion_id: str,
+        model: str,
+        creq: CompletionRequest,
+        prompt_tokens: int = 0,
+        *,
+        index: int = 0,
+        trailer: bool = True,
     ) -> None:
         self._logprobs = creq.logprobs
-        include_usage = creq.include_usage
         self._head = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -246,7 +250,14 @@ class ChunkWriter:
             "model": model,
             "system_fingerprint": None,
         }
-        self._include_usage = include_usage
+        self._include_usage = creq.include_usage
+        self._index = index
+        self._trailer = trailer
+
+    def choice(self, index: int) -> ChunkWriter:
+        other = copy.copy(self)
+        other._index, other._trailer = index, False
+        return other
 
     def _chunk(
         self, delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None
@@ -254,7 +265,7 @@ class ChunkWriter:
         obj = dict(self._head)
         obj["choices"] = [
             {
-                "index": 0,
+                "index": self._index,
                 "delta": delta,
                 "logprobs": {"content": logprobs, "refusal": None} if logprobs else None,
                 "finish_reason": finish,
@@ -293,10 +304,17 @@ class ChunkWriter:
 
     def finish(self, answer: Answer, logprobs: list[dict[str, Any]]) -> bytes:
         out = self._chunk({}, answer.finish_reason, logprobs if self._logprobs else None)
-        if self._include_usage:
+        return out + self.end([answer]) if self._trailer else out
+
+    def end(self, answers: list[Answer]) -> bytes:
+        """The usage chunk (when asked for: completion tokens summed over the choices) and
+        ``[DONE]``."""
+        out = b""
+        if self._include_usage and answers:
             obj = dict(self._head)
             obj["choices"] = []
-            obj["usage"] = usage(answer.prompt_tokens, answer.completion_tokens)
+            completion = sum(a.completion_tokens for a in answers)
+            obj["usage"] = usage(answers[0].prompt_tokens, completion)
             out += sse(obj)
         return out + DONE
 

@@ -23,6 +23,10 @@ completion with their loss mask). Throughput counts logical tokens (the rows' le
 shows as a speed-up. Each side's peak resident memory is measured too (``/proc`` high-water mark,
 reset before each side).
 
+``--case checkpointing`` runs the agent batch through tree updates with all, half and none of
+the model's layers checkpointed (``model.checkpointed_layer_share``), alternating: each one's
+median update time and peak memory, and ``ckpt_half_vs_all`` / ``ckpt_none_vs_all`` speed-ups.
+
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
 "agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
@@ -245,6 +249,62 @@ def run_agent_case(args, model_path: str, grad_ckpt: bool) -> dict:
     return out
 
 
+def run_checkpointing_case(args, model_path: str) -> dict:
+    """The agent batch through tree updates with all, half and none of the layers checkpointed
+    (``model.checkpointed_layer_share`` 1, 0.5, 0), alternating on one model: median update
+    time and peak memory of each, and the speed-ups against all layers checkpointed."""
+    actor = PPOActor(
+        model_path,
+        ActorConfig(ppo_n_minibatches=1, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens),
+        ModelConfig(gradient_checkpointing=True),
+    )
+    actor.cfg.tree_training = "on"
+    vocab = actor.model.config.vocab_size
+    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    logical = int(sum(lengths))
+
+    def use(share: float) -> None:
+        if share > 0:
+            enable_checkpointing(actor.model, share)
+        else:
+            actor.model.gradient_checkpointing_disable()
+
+    shares = (1.0, 0.5, 0.0)
+    for share in shares:  # warm-up: allocations, optimiser state
+        use(share)
+        actor.update(_slice(batch, min(4, args.samples)), step=0)
+    times: dict[float, list[float]] = {s: [] for s in shares}
+    peaks: dict[float, float] = {}
+    for it in range(1, args.iters + 1):
+        for share in shares:  # alternate, so each sees the same machine load
+            use(share)
+            memory.reset_peak()
+            t0 = time.perf_counter()
+            stats = actor.update(batch, step=it)
+            dt = time.perf_counter() - t0
+            assert stats["actor/update_skipped"] == 0.0
+            times[share].append(dt)
+            peaks[share] = max(peaks.get(share, 0.0), memory.peak_rss_gb())
+            print(
+                f"iter {it} share {share}: {dt:.1f} s ({logical / dt:.0f} logical tok/s, "
+                f"peak {peaks[share]:.2f} GB)",
+                file=sys.stderr,
+            )
+    med = {s: statistics.median(t) for s, t in times.items()}
+    return {
+        "ckpt_half_vs_all": round(med[1.0] / med[0.5], 3),
+        "ckpt_none_vs_all": round(med[1.0] / med[0.0], 3),
+        "ckpt_all_update_s": round(med[1.0], 2),
+        "ckpt_half_update_s": round(med[0.5], 2),
+        "ckpt_none_update_s": round(med[0.0], 2),
+        "ckpt_all_peak_rss_gb": round(peaks[1.0], 2),
+        "ckpt_half_peak_rss_gb": round(peaks[0.5], 2),
+        "ckpt_none_peak_rss_gb": round(peaks[0.0], 2),
+        "ckpt_logical_tokens": logical,
+    }
+
+
 def build_trl(
     model_path: str,
     rows: int,
@@ -334,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--case", choices=["synthetic", "agent", "all"], default="all")
+    ap.add_argument("--case", choices=["synthetic", "agent", "checkpointing", "all"], default="all")
     ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
     ap.add_argument("--samples", type=int, default=8, help="agent case: samples per problem")
     ap.add_argument("--system-len", type=int, default=500, help="agent case: shared prompt")
@@ -351,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_synthetic_case(args, model_path, grad_ckpt))
     if args.case in ("agent", "all"):
         result.update(run_agent_case(args, model_path, grad_ckpt))
+    if args.case == "checkpointing":
+        result.update(run_checkpointing_case(args, model_path))
     result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))

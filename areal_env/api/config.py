@@ -65,6 +65,10 @@ class ModelConfig:
     """Cap on prompt + completion tokens (default: the model's own limit)."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
+    checkpointed_layer_share: float = 1.0
+    """With ``gradient_checkpointing``: the share of decoder layers recomputed, spread evenly
+    (0.5 = every other layer). Memory of activations and the recompute's time both scale with
+    it: a middle value trades them where all layers' activations do not fit but some do."""
     num_threads: int | None = None
     """torch intra-op threads on CPU (default: torch's choice)."""
 
@@ -79,6 +83,11 @@ class ModelConfig:
             )
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ConfigError(f"model.max_context_len={self.max_context_len!r} must be >= 2")
+        if not 0.0 < self.checkpointed_layer_share <= 1.0:
+            raise ConfigError(
+                f"model.checkpointed_layer_share={self.checkpointed_layer_share!r} must be in "
+                "(0, 1]; to recompute no layer set model.gradient_checkpointing=false"
+            )
 
 
 @dataclass
@@ -248,6 +257,18 @@ class RolloutConfig:
     dump_to_file: bool = True
     """Write trajectory dumps to run_dir/rollout/{version}/{task_id}.jsonl and each update's
     per-token record to run_dir/tokens/ (what ``areal-env view`` shows; docs/viewer.md)."""
+    prompt_sampling: Literal["shuffle", "signal"] = "shuffle"
+    """How each step's prompts are drawn from ``train_dataset``. shuffle: every epoch in a
+    shuffled order. signal: by the groups of items that ``signal_key`` names, each group's share
+    in proportion to the variance of its recent rewards (p(1 - p) for 0/1 rewards), so the
+    steps spend their episodes where the rewards vary and the update has something to learn
+    (docs/training.md, "Drawing the prompts where the signal is")."""
+    signal_key: str | None = None
+    """With ``prompt_sampling: signal``: the dataset field that groups the items (a kind, a
+    level)."""
+    signal_floor: float = 0.25
+    """With ``prompt_sampling: signal``: the least weight of a group, as a share of the largest
+    group's, so that unsolved and mastered groups are still visited."""
 
     def validate(self) -> None:
         for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):
@@ -261,6 +282,18 @@ class RolloutConfig:
             raise ConfigError(f"rollout.discount={self.discount!r} must be in [0, 1]")
         if self.episode_timeout <= 0:
             raise ConfigError(f"rollout.episode_timeout={self.episode_timeout!r} must be > 0")
+        if self.prompt_sampling not in ("shuffle", "signal"):
+            raise ConfigError(
+                f"rollout.prompt_sampling={self.prompt_sampling!r} is invalid; valid: shuffle, "
+                "signal"
+            )
+        if self.prompt_sampling == "signal" and not self.signal_key:
+            raise ConfigError(
+                "rollout.prompt_sampling=signal needs rollout.signal_key: the dataset field "
+                "that groups the items (a kind, a level)"
+            )
+        if not 0.0 < self.signal_floor <= 1.0:
+            raise ConfigError(f"rollout.signal_floor={self.signal_floor!r} must be in (0, 1]")
 
 
 @dataclass

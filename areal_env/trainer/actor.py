@@ -219,7 +219,7 @@ class PPOActor:
             model = model.to(self.device)
         if trainable:
             if self.model_cfg.gradient_checkpointing:
-                enable_checkpointing(model)
+                enable_checkpointing(model, self.model_cfg.checkpointed_layer_share)
             model.train()
         else:
             model.eval().requires_grad_(False)

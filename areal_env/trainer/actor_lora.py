@@ -16,13 +16,29 @@ from areal_env.trainer.dist import DistContext, full_state_dict
 logger = logging.getLogger(__name__)
 
 
-def enable_checkpointing(model: Any) -> None:
-    """Activation (gradient) checkpointing, non-reentrant, across transformers versions."""
+def enable_checkpointing(model: Any, share: float = 1.0) -> int:
+    """Activation (gradient) checkpointing, non-reentrant, across transformers versions, for
+    ``share`` of the decoder layers spread evenly (the rest keep their activations: faster
+    backward, more memory). Returns how many layers are checkpointed."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    from transformers import PreTrainedModel
+
+    layers = [
+        m
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", None) is True and not isinstance(m, PreTrainedModel)
+    ]
+    kept = 0
+    for i, layer in enumerate(layers):
+        # layer i is checkpointed when the running count floor((i + 1) * share) steps up
+        on = int((i + 1) * share + 1e-9) > int(i * share + 1e-9)
+        layer.gradient_checkpointing = on
+        kept += on
+    return kept
 
 
 def set_gradient_sync(model: Any, sync: bool) -> None:

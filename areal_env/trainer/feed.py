@@ -58,16 +58,21 @@ class DatasetSource:
         if not self.prefetch:
             items = self.data.next_batch()
             self.data_state = self.data.state_dict()
-            return await self.executor.rollout_batch(items, trainer_version=trainer_version)
-        if self._pending is None:
-            self._pending = self._submit_next()
-        self.data_state = self.data.state_dict()
-        items = self._pending
-        more = self._left is None or self._left > 0
-        self._pending = self._submit_next() if more else None
-        return await self.executor.next_batch(
-            trainer_version=trainer_version, batch_size=len(items)
-        )
+            batch = await self.executor.rollout_batch(items, trainer_version=trainer_version)
+        else:
+            if self._pending is None:
+                self._pending = self._submit_next()
+            self.data_state = self.data.state_dict()
+            items = self._pending
+            more = self._left is None or self._left > 0
+            self._pending = self._submit_next() if more else None
+            batch = await self.executor.next_batch(
+                trainer_version=trainer_version, batch_size=len(items)
+            )
+        # the rewards steer the order of the batches drawn from now on (rollout.prompt_sampling)
+        self.data.record(batch.episodes)
+        batch.stats.update(self.data.order.stats())
+        return batch
 
     async def aclose(self) -> None:
         await self.executor.aclose()

@@ -46,7 +46,7 @@ from areal_env.proxy.server import ProxyServer
 from areal_env.trainer import memory
 from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.books import RunBooks, RunPosition
-from areal_env.trainer.data import DataLoader, load_items
+from areal_env.trainer.data import DataLoader, load_items, make_loader
 from areal_env.trainer.dist import SINGLE, DistContext
 from areal_env.trainer.eval import Evaluator
 from areal_env.trainer.faults import fault_from_env, kill_now
@@ -105,7 +105,7 @@ class PPOTrainer:
         self.data: DataLoader | None = None
         if not self.external:
             dataset = train_dataset if train_dataset is not None else config.train_dataset
-            self.data = DataLoader(dataset, config.rollout.batch_size, seed=config.seed)
+            self.data = make_loader(dataset, config.rollout, seed=config.seed)
         elif train_dataset is not None:
             raise ValueError("pass either a train_dataset or an external source, not both")
         valid = valid_dataset if valid_dataset is not None else config.valid_dataset

@@ -8,8 +8,10 @@ import os
 import pytest
 import torch
 
+from areal_env.api.config import ConfigError, RolloutConfig
+from areal_env.api.episode import Episode
 from areal_env.trainer import checkpoint as ckpt
-from areal_env.trainer.data import DataLoader, load_items
+from areal_env.trainer.data import DataLoader, SignalOrder, load_items, make_loader
 from areal_env.trainer.stats import MetricsLogger, dump_records, plot_reward_curve
 
 
@@ -42,6 +44,110 @@ def test_dataset_sources_and_resumable_position(tmp_path):
     # items get a task id when they have none; existing ids are kept
     b = DataLoader([{"id": "a"}, {"x": 1}], 2, shuffle=False).next_batch()
     assert b[0]["id"] == "a" and "task_id" not in b[0] and b[1]["task_id"] == "1"
+
+
+def _kinds_items() -> list[dict]:
+    """60 items of three kinds (a: 20, b: 30, c: 10) and one without a kind."""
+    kinds = ["a"] * 20 + ["b"] * 30 + ["c"] * 10
+    return [{"id": f"t{i}", "kind": k} for i, k in enumerate(kinds)] + [{"id": "none"}]
+
+
+def _episodes(batch, reward_of):
+    return [
+        Episode(task_id=x["id"], accepted=True, score=reward_of(x, j))
+        for x in batch
+        for j in range(4)
+    ]
+
+
+def test_signal_order_draws_where_rewards_vary():
+    """Nothing seen: shares follow the dataset's mix. Then the kind whose rewards vary gains
+    per item over the always-failing and always-solved kinds, at first by little (a few
+    failures prove little), and by ``1 / floor`` once their episodes add up; batches follow the
+    shares (whole slots first) and each kind's items cycle."""
+    items = _kinds_items()
+    order = SignalOrder(items, "kind", seed=3, floor=0.25)
+    assert order.names == ["(none)", "a", "b", "c"]
+    assert order.weights() == pytest.approx([1 / 61, 20 / 61, 30 / 61, 10 / 61])
+    loader = DataLoader(items, 8, seed=3, order=order)
+    first = loader.next_batch()
+    assert len(first) == 8 and len({x["id"] for x in first}) == 8
+    # kind a: half solved; b: never; c and the kindless item: always
+    outcome = {"a": lambda j: float(j % 2), "b": lambda j: 0.0, "c": lambda j: 1.0}
+
+    def step() -> list[dict]:
+        batch = loader.next_batch()
+        loader.record(_episodes(batch, lambda x, j: outcome.get(x.get("kind"), lambda j: 1.0)(j)))
+        return batch
+
+    def per_item() -> dict[str, float]:
+        w = dict(zip(order.names, order.weights(), strict=True))
+        return {"a": w["a"] / 20, "b": w["b"] / 30, "c": w["c"] / 10}
+
+    # one problem of kind a half solved, one of kind b failed 4 times: b's signal moves only
+    # halfway down (prior of 4 episodes at the best signal); c, not seen, keeps the best
+    probe = SignalOrder(items, "kind", seed=3, floor=0.25)
+    probe.record([(0, 1.0), (0, 0.0), (0, 1.0), (0, 0.0)] + [(20, 0.0)] * 4)
+    w = dict(zip(probe.names, probe.weights(), strict=True))
+    assert w["b"] / 30 == pytest.approx(0.5 * w["a"] / 20)
+    assert w["c"] / 10 == pytest.approx(w["a"] / 20)
+    drawn_a: list[str] = []
+    counts = {"a": 0, "b": 0, "c": 0, None: 0}
+    for _ in range(20):
+        for x in step():
+            counts[x.get("kind")] += 1
+            if x.get("kind") == "a":
+                drawn_a.append(x["id"])
+    late = per_item()
+    assert late["a"] / late["b"] == pytest.approx(4.0)  # at the floor
+    assert late["a"] / late["c"] == pytest.approx(4.0)
+    share_a = dict(zip(order.names, order.weights(), strict=True))["a"]
+    assert share_a == pytest.approx(20 / (20 + 0.25 * 41), rel=0.02)  # 0.66
+    assert counts["a"] >= 20 * 8 * 0.55 and sum(counts.values()) == 160
+    times = [drawn_a.count(f"t{i}") for i in range(20)]
+    assert max(times) - min(times) <= 2  # kind a's items cycle: each about as often
+    assert order.stats()["sampling/share/a"] == pytest.approx(share_a)
+
+
+def test_signal_order_resumes_identically_and_rejects_other_groups():
+    items = _kinds_items()
+
+    def run(loader, batches):
+        out = []
+        for _ in range(batches):
+            batch = loader.next_batch()
+            out.append([x["id"] for x in batch])
+            loader.record(_episodes(batch, lambda x, j: float(x["id"] < "t3" and j < 2)))
+        return out
+
+    def fresh():
+        return DataLoader(items, 6, seed=9, order=SignalOrder(items, "kind", seed=9))
+
+    whole = run(fresh(), 6)
+    part = fresh()
+    run(part, 3)
+    state = json.loads(json.dumps(part.state_dict()))
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    assert run(resumed, 3) == whole[3:]
+    other = DataLoader(items[:50], 6, seed=9, order=SignalOrder(items[:50], "kind", seed=9))
+    with pytest.raises(ValueError, match="signal sampling groups differ"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="none of the 3 training items"):
+        SignalOrder([{"q": 1}, {"q": 2}, {"q": 3}], "kind", seed=1)
+
+
+def test_prompt_sampling_config_errors():
+    with pytest.raises(ConfigError, match="needs rollout.signal_key"):
+        RolloutConfig(prompt_sampling="signal").validate()
+    with pytest.raises(ConfigError, match="valid: shuffle, signal"):
+        RolloutConfig(prompt_sampling="hardest").validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="signal_floor"):
+        RolloutConfig(signal_floor=0.0).validate()
+    loader = make_loader(
+        _kinds_items(), RolloutConfig(prompt_sampling="signal", signal_key="kind"), seed=1
+    )
+    assert isinstance(loader.order, SignalOrder) and loader.order.floor == 0.25
 
 
 def test_checkpoint_atomic_save_and_restore(tmp_path, model_path):

@@ -374,6 +374,71 @@ def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
     assert len(step2) == 4 and all(r["gap"] is not None and r["row_id"] for r in step2)
 
 
+class KindAgent:
+    """Rewards by the item's kind: an ``easy`` item's attempts alternate 1, 0 (its rewards
+    vary), ``hard`` is never solved."""
+
+    def __init__(self):
+        self.attempts: dict[str, int] = {}
+
+    async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        from openai import AsyncOpenAI
+
+        n = self.attempts[data["id"]] = self.attempts.get(data["id"], 0) + 1
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=2
+        )
+        return float(n % 2) if data["kind"] == "easy" else 0.0
+
+
+@pytest.mark.timeout(600)
+def test_signal_sampling_draws_the_kind_whose_rewards_vary(tmp_path):
+    """``rollout.prompt_sampling: signal``: after a step that saw two problems of each kind,
+    the kind never solved has half the signal of the kind whose rewards vary (its 4 failed
+    episodes against a prior of 4 at the best signal), the shares are logged, and the next
+    batch is drawn by them."""
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    data = [
+        {"id": f"{k}{i}", "kind": k, "prompt": f"Say {k} {i}."}
+        for k in ("easy", "hard")
+        for i in range(6)
+    ]
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=signal",
+            "rollout.batch_size=4",
+            "rollout.n_samples=2",
+            "rollout.prompt_sampling=signal",
+            "rollout.signal_key=kind",
+            "gconfig.max_new_tokens=2",
+            "trainer.total_train_steps=2",
+            "trainer.tensorboard=false",
+            "trainer.recover='off'",
+            "trainer.progress=false",
+        ],
+    )
+    with PPOTrainer(cfg, data) as trainer:
+        final = trainer.train(workflow=KindAgent())
+    run_dir = Path(final["metrics_file"]).parent
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    assert rows[0]["sampling/share/easy"] == pytest.approx(2 / 3)
+    assert rows[0]["sampling/share/hard"] == pytest.approx(1 / 3)
+    kinds: dict[int, list[str]] = {}
+    for f in (run_dir / "rollout").rglob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            kinds.setdefault(rec["step"], []).append(rec["task_id"][:4])
+    assert sorted(set(kinds)) == [1, 2]
+    assert kinds[1].count("easy") == kinds[1].count("hard")  # nothing seen yet: even shares
+    assert kinds[2].count("easy") >= kinds[2].count("hard")  # 4 slots x 2/3: 3 or 2 of 4
+
+
 def test_redraw_budget_must_not_be_negative():
     from areal_env.api.config import TrainerConfig
     from areal_env.api.errors import ConfigError

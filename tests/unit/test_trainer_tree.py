@@ -9,6 +9,7 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
+from areal_env.trainer.actor_lora import enable_checkpointing
 from areal_env.trainer.tree import pack_rows, packed_size, tree_micro_batches
 from areal_env.trainer.tree_attention import (
     FLEX_BLOCK,
@@ -378,6 +379,42 @@ def test_tree_gradients_equal_flat_with_checkpointing_and_micro_batches(actor, t
     assert scale > 0
     assert float((grad_t - grad_f).norm() / scale) < 1e-4
     assert float((grad_m - grad_f).norm() / scale) < 1e-4
+
+
+def _saved_bytes(actor, batch) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for the backward pass of one tree micro-batch, and its gradients."""
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, grads, _ = _grads(actor, batch, "on", 4096)
+    return saved, grads
+
+
+def test_checkpointed_layer_share_trades_saved_activations_not_gradients(actor, tokenizer):
+    """Half of the layers checkpointed keep about half of the activations of none, more than
+    all; the gradients are the same either way."""
+    batch = _agent_batch(tokenizer, seed=1)
+    batch["logprobs"] = torch.where(batch["loss_mask"].bool(), -1.0, 0.0)
+    actor.model.train()
+    n_layers = actor.model.config.num_hidden_layers
+    try:
+        assert enable_checkpointing(actor.model, 1.0) == n_layers
+        all_saved, grad_all = _saved_bytes(actor, batch)
+        assert enable_checkpointing(actor.model, 0.5) == n_layers // 2
+        half_saved, grad_half = _saved_bytes(actor, batch)
+        actor.model.gradient_checkpointing_disable()
+        none_saved, grad_none = _saved_bytes(actor, batch)
+    finally:
+        enable_checkpointing(actor.model, 1.0)
+    assert all_saved < half_saved < none_saved
+    assert abs(half_saved - (all_saved + none_saved) / 2) < 0.1 * (none_saved - all_saved)
+    for g in (grad_half, grad_none):
+        assert float((g - grad_all).norm() / grad_all.norm()) < 1e-4
 
 
 def test_update_reports_tree_packing_and_peak_memory(actor, tokenizer):

@@ -234,11 +234,16 @@ def test_view_a_real_run_in_a_browser(tmp_path):
         )
         _shot(driver, tmp_path, "overview")
 
-        # ---- step 1: its episodes
-        driver.find_element("css selector", '[data-testid="step-row"][data-step="1"]').click()
+        # ---- a trained step: its episodes (a step whose groups all scored alike skips its
+        # update, and its tokens carry no trainer logprob; sampling at T=1 decides which)
+        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        trained = [int(m["step"]) for m in metrics if not m.get("actor/update_skipped")]
+        assert trained, "neither step updated: the agent's rewards did not vary"
+        step = trained[0]
+        driver.find_element("css selector", f'[data-testid="step-row"][data-step="{step}"]').click()
         rows = _wait(driver, lambda d: d.find_elements(*_by("session-row")), what="sessions")
-        step1 = [x for x in lines if x["step"] == 1]
-        sessions = sorted({x["session_id"] for x in step1})
+        in_step = [x for x in lines if x["step"] == step]
+        sessions = sorted({x["session_id"] for x in in_step})
         assert sorted(r.get_attribute("data-session") for r in rows) == sessions
         assert len(driver.find_elements(*_by("group-row"))) == 2
 
@@ -246,7 +251,7 @@ def test_view_a_real_run_in_a_browser(tmp_path):
         sid = rows[0].get_attribute("data-session")
         rows[0].click()
         nodes = _wait(driver, lambda d: d.find_elements(*_by("node")), what="the tree")
-        dumped = [x for x in step1 if x["session_id"] == sid]
+        dumped = [x for x in in_step if x["session_id"] == sid]
         assert [n.get_attribute("data-node") for n in nodes] == [
             x["interaction_id"] for x in dumped
         ]
@@ -272,7 +277,7 @@ def test_view_a_real_run_in_a_browser(tmp_path):
         )
         records = TokenRecords(run_dir)
         records.refresh()
-        ((part, entry),) = records.session_entries(1, sid)
+        ((part, entry),) = records.session_entries(step, sid)
         row = records.read_block(part, entry)[
             [r["row_id"] for r in entry["rows"]].index(first["interaction_id"])
         ]

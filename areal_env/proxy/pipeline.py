@@ -515,6 +515,8 @@ class ProxyState:
         """Start one engine stream per choice (``n``) and wait for each first chunk, so that
         errors still get a status. Either all choices are open or none is."""
         preps = self.choices(prep)
+        if len(preps) == 1:  # the usual request: no tasks to gather on the hot path
+            return [await self._open_one(preps[0])]
         results = await asyncio.gather(*(self._open_one(p) for p in preps), return_exceptions=True)
         opened = [r for r in results if isinstance(r, OpenStream)]
         failed = [r for r in results if not isinstance(r, OpenStream)]

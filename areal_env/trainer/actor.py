@@ -37,6 +37,7 @@ from areal_env.trainer.actor_math import (
     UpdateTally,
     first_token_mask,
     has_plain_head,
+    high_entropy_mask,
     install_scored_forward,
     optimizer_steps_taken,
     ppo_token_loss,
@@ -161,6 +162,7 @@ class PPOActor:
                 params,
                 lr=actor.lr,
                 betas=(actor.adam_betas[0], actor.adam_betas[1]),
+                eps=actor.adam_eps,
                 weight_decay=actor.weight_decay,
                 **kwargs,
             )
@@ -169,6 +171,7 @@ class PPOActor:
                 params,
                 lr=actor.lr,
                 betas=(actor.adam_betas[0], actor.adam_betas[1]),
+                eps=actor.adam_eps,
                 weight_decay=actor.weight_decay,
             )
         self.update_count = 0
@@ -592,6 +595,12 @@ class PPOActor:
         sel = m
         old = pb.old_logp[idx, :width][sel].to(dev)
         adv = pb.adv[idx, :width][sel].to(dev)
+        kept: torch.Tensor | None = None
+        if a.high_entropy_token_share < 1.0 and ent is not None:
+            # the threshold is this forward's (a micro-batch; with tree packing usually the whole
+            # minibatch): only the forks get the policy gradient, KL and entropy terms stay
+            kept = high_entropy_mask(ent, a.high_entropy_token_share)
+            adv = adv * kept
         behav = None
         if a.use_decoupled_loss:
             behav = pb.behav_logp[idx, :width][sel].to(dev)
@@ -606,6 +615,7 @@ class PPOActor:
             behav_imp_weight_cap=a.behav_imp_weight_cap,
             ref_logp=ref,
             kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
@@ -615,6 +625,8 @@ class PPOActor:
         out["log_ratio_max"] = float((logp.detach() - old).abs().max()) if logp.numel() else 0.0
         out["entropy"] = float(ent.detach().sum()) if ent is not None else 0.0
         out["n"] = float(logp.numel())
+        if kept is not None:
+            out["pg_tokens"] = float(kept.sum())
         return loss.sum(), out
 
     # -- weights ----------------------------------------------------------------------------

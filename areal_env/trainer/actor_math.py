@@ -9,6 +9,7 @@ against plain-loop references.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,18 @@ def scored_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return mask
 
 
+def high_entropy_mask(entropy: torch.Tensor, share: float) -> torch.Tensor:
+    """Bool mask of the ``share`` of tokens with the highest ``entropy`` (at least one; ties at
+    the threshold are all kept). Where the policy was nearly sure, its token made no choice, so
+    the episode's advantage is noise there (``actor.high_entropy_token_share``)."""
+    n = entropy.numel()
+    if share >= 1.0 or n == 0:
+        return torch.ones_like(entropy, dtype=torch.bool)
+    k = max(1, math.ceil(share * n))
+    threshold = torch.topk(entropy.detach().float(), k).values[-1]
+    return entropy.detach() >= threshold
+
+
 def ppo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -58,6 +71,7 @@ def ppo_token_loss(
     behav_imp_weight_cap: float | None = None,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k2",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -66,9 +80,10 @@ def ppo_token_loss(
     ``old_logp`` is the logprob the ratio is taken against: the behaviour logprob in the plain
     form, the recomputed *proximal* logprob in the decoupled form, where each token is further
     weighted by the behaviour importance weight ``exp(old_logp - behav_logp)`` capped at
-    ``behav_imp_weight_cap`` (truncated importance sampling). ``ref_logp`` adds
-    ``kl_coef * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``; ``entropy`` subtracts
-    ``entropy_coef * entropy``. The caller reduces (token mean).
+    ``behav_imp_weight_cap`` (truncated importance sampling). ``ref_logp`` adds ``kl_coef``
+    times ``k2 = (logp - ref)² / 2`` or ``k3 = exp(ref - logp) - (ref - logp) - 1``
+    (``kl_estimator``); ``entropy`` subtracts ``entropy_coef * entropy``. The caller reduces
+    (token mean).
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     log_ratio = logp - old_logp
@@ -90,7 +105,7 @@ def ppo_token_loss(
         diag["behav_imp_weight"] = w
     if ref_logp is not None and kl_coef > 0:
         d = ref_logp - logp
-        kl = torch.exp(d) - d - 1.0
+        kl = 0.5 * d * d if kl_estimator == "k2" else torch.exp(d) - d - 1.0
         loss = loss + kl_coef * kl
         diag["ref_kl"] = kl.detach()
     if entropy is not None and entropy_coef != 0:
@@ -304,7 +319,16 @@ def summarize_update(
     t_start, losses, grad_norms = tally.t_start, tally.losses, tally.grad_norms
     trained_tokens, packed_tokens = tally.trained_tokens, tally.packed_tokens
     if dist.distributed:
-        keys = ("n", "clipped", "approx_kl", "ratio", "entropy", "ref_kl", "behav_imp_weight")
+        keys = (
+            "n",
+            "clipped",
+            "approx_kl",
+            "ratio",
+            "entropy",
+            "ref_kl",
+            "behav_imp_weight",
+            "pg_tokens",
+        )
         present = {k: sums.get(k, 0.0) for k in keys}
         present["start_kl"], present["start_n"] = tally.start_kl, tally.start_n
         reduced = all_reduce_sums(present, dist)
@@ -339,6 +363,8 @@ def summarize_update(
         stats["actor/ref_kl"] = sums["ref_kl"] / denom
     if "behav_imp_weight" in sums:
         stats["actor/behav_imp_weight"] = sums["behav_imp_weight"] / denom
+    if "pg_tokens" in sums:
+        stats["actor/pg_token_share"] = sums["pg_tokens"] / denom
     return stats
 
 

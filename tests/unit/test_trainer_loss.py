@@ -9,13 +9,21 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.actor_math import optimizer_steps_taken, ppo_token_loss, warmup_lr
+from areal_env.trainer.actor_math import (
+    high_entropy_mask,
+    optimizer_steps_taken,
+    ppo_token_loss,
+    token_logprobs,
+    warmup_lr,
+)
 from areal_env.trainer.advantages import weight_negatives_by_prob
 from areal_env.trainer.dist import micro_batches
 
 
-def ref_token_loss(lp, old, adv, eps, eps_high=None, behav=None, cap=None, ref=None, kl=0.0):
-    """Plain-Python PPO-clip (optionally decoupled, with k3 KL), one token at a time."""
+def ref_token_loss(
+    lp, old, adv, eps, eps_high=None, behav=None, cap=None, ref=None, kl=0.0, estimator="k2"
+):
+    """Plain-Python PPO-clip (optionally decoupled, with a k2 or k3 KL), one token at a time."""
     eps_high = eps if eps_high is None else eps_high
     out, clipped = [], 0
     for i in range(len(lp)):
@@ -33,7 +41,7 @@ def ref_token_loss(lp, old, adv, eps, eps_high=None, behav=None, cap=None, ref=N
             loss *= w
         if ref is not None and kl > 0:
             d = ref[i] - lp[i]
-            loss += kl * (math.exp(d) - d - 1)
+            loss += kl * (d * d / 2 if estimator == "k2" else math.exp(d) - d - 1)
         out.append(loss)
     return out, clipped
 
@@ -55,6 +63,10 @@ def test_ppo_token_loss_matches_reference_loops():
             {"behav": L(behav), "cap": 2.0},
         ),
         ({"ref_logp": ref, "kl_coef": 0.1}, {"ref": L(ref), "kl": 0.1}),
+        (
+            {"ref_logp": ref, "kl_coef": 0.1, "kl_estimator": "k3"},
+            {"ref": L(ref), "kl": 0.1, "estimator": "k3"},
+        ),
     ]:
         loss, diag = ppo_token_loss(lp, old, adv, eps_clip=0.2, **kwargs)
         expect, n_clipped = ref_token_loss(L(lp), L(old), L(adv), 0.2, **rkwargs)
@@ -348,3 +360,97 @@ def test_actor_warms_up_the_learning_rate_and_resumes_it(model_path, tokenizer):
 
     with pytest.raises(ConfigError, match="lr_warmup_steps"):
         ActorConfig(lr_warmup_steps=-1).validate()
+
+
+def test_high_entropy_mask_keeps_the_top_share():
+    ent = torch.tensor([0.1, 2.0, 0.0, 1.5, 0.3, 0.9, 0.05, 1.1])
+    assert high_entropy_mask(ent, 0.25).tolist() == [0, 1, 0, 1, 0, 0, 0, 0]
+    assert high_entropy_mask(ent, 0.5).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert high_entropy_mask(ent, 1.0).all()
+    assert high_entropy_mask(ent, 0.01).sum() == 1  # at least one token
+    tied = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert high_entropy_mask(tied, 0.25).tolist() == [1, 1, 1, 0]  # ties at the threshold stay
+    assert high_entropy_mask(torch.zeros(0), 0.2).numel() == 0
+    with pytest.raises(ConfigError, match="high_entropy_token_share"):
+        ActorConfig(high_entropy_token_share=0.0).validate()
+
+
+def test_high_entropy_token_share_trains_only_the_forks(actor_and_batch):
+    """The gradient with share 0.25 is the full gradient of a batch whose other tokens have
+    advantage 0: the low-entropy tokens get no policy gradient, and nothing else changes."""
+    actor, batch = actor_and_batch
+    mask = batch["loss_mask"].bool()
+    behav = actor.compute_logprobs(batch)
+    batch = {**batch, "logprobs": behav}
+    rows = [0, 1, 2, 3]
+    width = max(int(batch["attention_mask"][r].sum()) for r in rows)
+
+    def grads(pb, share):
+        actor.cfg.high_entropy_token_share = share
+        try:
+            actor.model.zero_grad(set_to_none=True)
+            loss, diag = actor._micro_loss(pb, rows)
+            loss.backward()
+        finally:
+            actor.cfg.high_entropy_token_share = 1.0
+        g = [p.grad.clone() for p in actor.model.parameters() if p.grad is not None]
+        actor.model.zero_grad(set_to_none=True)
+        return g, diag
+
+    pb = actor.prepare(batch)
+    got, diag = grads(pb, 0.25)
+    n = int(mask.sum())
+    assert diag["pg_tokens"] == math.ceil(0.25 * n)
+    with torch.no_grad():
+        _, ent = token_logprobs(
+            actor.model,
+            batch["input_ids"][:, :width],
+            batch["attention_mask"][:, :width],
+            mask[:, :width],
+            0.7,
+            with_entropy=True,
+        )
+    assert ent is not None
+    keep = high_entropy_mask(ent, 0.25)
+    adv = pb.adv.clone()
+    flat = adv[:, :width][mask[:, :width]]
+    flat[~keep] = 0.0
+    adv[:, :width][mask[:, :width]] = flat
+    assert (flat != 0).sum() < (pb.adv[mask] != 0).sum()  # some trained token was dropped
+    pb.adv = adv
+    want, _ = grads(pb, 1.0)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_update_reports_the_trained_token_share(actor_and_batch):
+    actor, batch = actor_and_batch
+    batch = {**batch, "logprobs": actor.compute_logprobs(batch)}
+    state = {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
+    opt_state = actor.optimizer.state_dict()
+    actor.cfg.high_entropy_token_share = 0.5
+    try:
+        stats = actor.update(batch, step=1)
+    finally:
+        actor.cfg.high_entropy_token_share = 1.0
+        actor.model.load_state_dict(state)
+        actor.optimizer.load_state_dict(opt_state)
+    # per micro-batch top half (micro_batch_tokens=48 splits the rows): about half overall
+    assert 0.5 <= stats["actor/pg_token_share"] <= 0.75
+
+
+def test_adam_eps_reaches_the_optimiser_and_each_policy(model_path):
+    from areal_env.api.config import PolicyConfig
+
+    actor = PPOActor(
+        model_path,
+        ActorConfig(adam_eps=1e-4),
+        ModelConfig(gradient_checkpointing=False),
+        temperature=0.7,
+    )
+    assert {g["eps"] for g in actor.optimizer.param_groups} == {1e-4}
+    assert PolicyConfig(adam_eps=1e-3).optimiser_overrides() == {"adam_eps": 1e-3}
+    assert PolicyConfig().optimiser_overrides() == {}
+    with pytest.raises(ConfigError, match="adam_eps"):
+        ActorConfig(adam_eps=0.0).validate()

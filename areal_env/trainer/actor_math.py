@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -71,7 +71,7 @@ def ppo_token_loss(
     behav_imp_weight_cap: float | None = None,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k2",
+    kl_estimator: Literal["k2", "k3"] = "k2",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

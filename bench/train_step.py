@@ -27,6 +27,12 @@ reset before each side).
 the model's layers checkpointed (``model.checkpointed_layer_share``), alternating: each one's
 median update time and peak memory, and ``ckpt_half_vs_all`` / ``ckpt_none_vs_all`` speed-ups.
 
+``--case reference`` times the KL reference's logprob forward on the agent batch three ways,
+alternating: fp32 with the dense tree mask (how it ran before the reference got the tree
+kernels), fp32 with the kernels, bf16 with the kernels (``actor.ref_dtype: bfloat16``); it
+prints ``ref_tree_fp32_vs_dense``, ``ref_tree_bf16_vs_dense``, ``ref_bf16_vs_fp32`` and how far
+bf16's logprobs are from fp32's on the batch's random tokens and on text the model sampled.
+
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
 "agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
@@ -305,6 +311,97 @@ def run_checkpointing_case(args, model_path: str) -> dict:
     }
 
 
+def run_reference_case(args, model_path: str) -> dict:
+    """The KL reference's forward on the agent batch (``actor.kl_coef > 0`` runs it every step):
+    as it ran before the reference got the tree kernels (fp32, dense [N, N] tree mask), with the
+    kernels in fp32 (``actor.ref_dtype: auto`` on the CPU) and in bf16 (``ref_dtype: bfloat16``),
+    alternating; median seconds of each and the speed-ups against the dense fp32 forward. Also
+    how far the bf16 logprobs are from fp32's, on the batch's random tokens and on text the model
+    sampled itself at the demo's T=0.5 (what a reference really scores)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    temperature = 0.5
+    actors = {
+        name: PPOActor(
+            model_path,
+            ActorConfig(kl_coef=0.04, ref_dtype=dtype, micro_batch_tokens=args.micro_batch_tokens),
+            ModelConfig(gradient_checkpointing=True),
+            temperature=temperature,
+        )
+        for name, dtype in (("fp32", "auto"), ("bf16", "bfloat16"))
+    }
+    dense = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    dense.requires_grad_(False)
+    assert dense.config._attn_implementation == "sdpa"  # no tree kernels: the dense mask
+    vocab = dense.config.vocab_size
+    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    ways = {
+        "dense_fp32": (actors["fp32"], dense),
+        "tree_fp32": (actors["fp32"], actors["fp32"].ref_model),
+        "tree_bf16": (actors["bf16"], actors["bf16"].ref_model),
+    }
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    out: dict[str, torch.Tensor] = {}
+    for it in range(args.iters + 1):  # the first round warms up
+        for way, (actor, model) in ways.items():
+            t0 = time.perf_counter()
+            out[way] = actor.compute_logprobs(batch, model)
+            dt = time.perf_counter() - t0
+            if it:
+                times[way].append(dt)
+                print(f"iter {it} {way}: {dt:.2f} s", file=sys.stderr)
+    mask = batch["loss_mask"].bool()
+    tree_vs_dense = (out["tree_fp32"] - out["dense_fp32"])[mask].abs().max()
+    random_gap = (out["tree_bf16"] - out["tree_fp32"])[mask].abs()
+
+    # text the model wrote: 16 replies of 80 tokens sampled at T=0.5 by the fp32 reference
+    tok = AutoTokenizer.from_pretrained(model_path)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(16):
+        chat = [{"role": "user", "content": f"Ana has {120 + 37 * i} pens and buys {15 + i} more."}]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text)["input_ids"]
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(80):
+                logits = dense(torch.tensor([ids])).logits[0, -1].float() / temperature
+                ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+        rows.append((prompt, ids))
+    width = max(len(ids) for _, ids in rows)
+    text_batch = {
+        "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
+        "loss_mask": torch.zeros(len(rows), width, dtype=torch.int32),
+    }
+    for i, (prompt, ids) in enumerate(rows):
+        text_batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        text_batch["attention_mask"][i, : len(ids)] = True
+        text_batch["loss_mask"][i, len(prompt) : len(ids)] = 1
+    text_mask = text_batch["loss_mask"].bool()
+    fp32 = actors["fp32"].compute_logprobs(text_batch, actors["fp32"].ref_model)
+    bf16 = actors["bf16"].compute_logprobs(text_batch, actors["bf16"].ref_model)
+    text_gap = (bf16 - fp32)[text_mask].abs()
+    med = {w: statistics.median(t) for w, t in times.items()}
+    return {
+        "ref_tree_fp32_vs_dense": round(med["dense_fp32"] / med["tree_fp32"], 3),
+        "ref_tree_bf16_vs_dense": round(med["dense_fp32"] / med["tree_bf16"], 3),
+        "ref_bf16_vs_fp32": round(med["tree_fp32"] / med["tree_bf16"], 3),
+        "ref_dense_fp32_s": round(med["dense_fp32"], 2),
+        "ref_tree_fp32_s": round(med["tree_fp32"], 2),
+        "ref_tree_bf16_s": round(med["tree_bf16"], 2),
+        "ref_tree_vs_dense_max_abs_diff": float(tree_vs_dense),
+        "ref_bf16_gap_random_mean": round(float(random_gap.mean()), 4),
+        "ref_bf16_gap_random_max": round(float(random_gap.max()), 3),
+        "ref_bf16_gap_text_mean": round(float(text_gap.mean()), 4),
+        "ref_bf16_gap_text_p99": round(float(text_gap.quantile(0.99)), 3),
+        "ref_bf16_gap_text_max": round(float(text_gap.max()), 3),
+        "ref_text_tokens": int(text_mask.sum()),
+        "ref_batch_tokens": int(sum(lengths)),
+    }
+
+
 def build_trl(
     model_path: str,
     rows: int,
@@ -394,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--case", choices=["synthetic", "agent", "checkpointing", "all"], default="all")
+    ap.add_argument(
+        "--case", choices=["synthetic", "agent", "checkpointing", "reference", "all"], default="all"
+    )
     ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
     ap.add_argument("--samples", type=int, default=8, help="agent case: samples per problem")
     ap.add_argument("--system-len", type=int, default=500, help="agent case: shared prompt")
@@ -413,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_agent_case(args, model_path, grad_ckpt))
     if args.case == "checkpointing":
         result.update(run_checkpointing_case(args, model_path))
+    if args.case == "reference":
+        result.update(run_reference_case(args, model_path))
     result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))

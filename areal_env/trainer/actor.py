@@ -152,6 +152,10 @@ class PPOActor:
         self.ref_model: Any = share.ref_model if share is not None else None
         if actor.kl_coef > 0 and self.ref_model is None:
             self.ref_model = self._load(model_path, trainable=False)
+            if actor.tree_training != "off" and not self.tree_unsupported:
+                # the reference scores the same packed trees: without the kernels its forward
+                # built the dense [N, N] mask and attended over all of it (2x the attention)
+                enable_tree_attention(self.ref_model)
         self.activate()
         params = [p for p in self.model.parameters() if p.requires_grad]
         kwargs: dict[str, Any] = {}
@@ -212,9 +216,10 @@ class PPOActor:
         where = (
             {"device_map": str(self.device)} if self.device.type == "cuda" and not offload else {}
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.precision.load_dtype(frozen=frozen), **where
-        )
+        dtype = self.precision.load_dtype(frozen=frozen)
+        if not trainable and self.cfg.ref_dtype != "auto":
+            dtype = resolve_dtype(self.cfg.ref_dtype, self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **where)
         model.config.use_cache = False
         if trainable and self.adapters:
             model = apply_lora(model, self.adapters, fp32_adapters=not self.precision.lossy)

@@ -18,6 +18,7 @@ from areal_env.trainer.actor_math import (
 )
 from areal_env.trainer.advantages import weight_negatives_by_prob
 from areal_env.trainer.dist import micro_batches
+from areal_env.trainer.tree_attention import TREE_ATTN
 
 
 def ref_token_loss(
@@ -259,6 +260,28 @@ def test_decoupled_loss_and_kl_to_reference(model_path, tokenizer):
     pb2 = actor.prepare(batch)
     _, diag2 = actor._micro_loss(pb2, [0, 1, 2, 3])
     assert diag2["ref_kl"] > 0
+
+
+def test_reference_in_bf16_is_half_the_bytes_and_close_to_fp32(model_path, tokenizer):
+    """actor.ref_dtype=bfloat16 keeps the frozen reference in bf16 beside fp32 trained weights;
+    its logprobs stay within bf16's rounding of the fp32 reference's, and the KL term trains."""
+    cfg = ActorConfig(kl_coef=0.05, ref_dtype="bfloat16", micro_batch_tokens=4096)
+    actor = PPOActor(model_path, cfg, ModelConfig(gradient_checkpointing=False), temperature=1.0)
+    assert {p.dtype for p in actor.ref_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in actor.model.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in actor.ref_model.parameters())
+    # the reference scores packed trees with the tree kernels, not a dense [N, N] mask
+    assert actor.ref_model.config._attn_implementation == TREE_ATTN
+    batch = _batch(tokenizer, None)
+    mask = batch["loss_mask"].bool()
+    fp32 = _ref_logprobs(actor.model, batch, 1.0)
+    batch["logprobs"] = torch.where(mask, fp32, 0.0)
+    pb = actor.prepare(batch)
+    gap = (pb.ref_logp - fp32)[mask].abs()
+    assert 0 < float(gap.mean()) < 0.1 and float(gap.max()) < 1.0
+    stats = actor.update(batch, step=0)
+    assert stats["actor/ref_kl"] > 0  # the bf16 rounding is seen as a (small) distance
+    assert stats["actor/optimizer_steps"] >= 1
 
 
 def test_failed_explorations_are_not_pushed_down(actor_and_batch):

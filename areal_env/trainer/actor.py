@@ -402,8 +402,12 @@ class PPOActor:
 
     # -- preparation ------------------------------------------------------------------------
 
-    def prepare(self, batch: dict[str, torch.Tensor]) -> PreparedBatch:
-        """Advantages, and the logprobs the ratio is taken against (and the reference's)."""
+    def prepare(self, batch: dict[str, torch.Tensor], *, score: bool = True) -> PreparedBatch:
+        """Advantages, and the logprobs the ratio is taken against (and the reference's).
+
+        ``score=False`` stops after the advantages (``old_logp`` is the behaviour logprobs,
+        no reference): :meth:`score` adds the recomputed logprobs later, once it is known that
+        the batch will be trained on."""
         a = self.cfg
         batch = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         mask = scored_mask(batch)
@@ -437,13 +441,6 @@ class PPOActor:
             "adv/abs_mean": float(adv[mask].abs().mean()) if mask.any() else 0.0,
             "adv/explored_failures_dropped": float(n_dropped),
         }
-        old = behav
-        if a.use_decoupled_loss or a.recompute_logprobs:
-            old = self.compute_logprobs(batch)
-            if mask.any():
-                stats["actor/behav_prox_logp_diff"] = float((old - behav)[mask].abs().mean())
-        ref = self.compute_logprobs(batch, self.ref_model) if self.ref_model is not None else None
-        stats["time/recompute_s"] = time.perf_counter() - t0
         pb = PreparedBatch(
             input_ids=batch["input_ids"].long(),
             attention_mask=attn,
@@ -451,39 +448,72 @@ class PPOActor:
             lengths=row_lengths(attn),
             adv=adv,
             behav_logp=behav,
-            old_logp=old,
-            ref_logp=ref,
+            old_logp=behav,
+            ref_logp=None,
             stats=stats,
             temps=self.row_temperatures(batch),
         )
-        if self.trace is not None:
-            self.trace.prepared(batch, pb)
+        stats["time/recompute_s"] = time.perf_counter() - t0
+        if score:
+            self.score(batch, pb)
+            if self.trace is not None:
+                self.trace.prepared(batch, pb)
         return pb
+
+    def score(self, batch: dict[str, torch.Tensor], pb: PreparedBatch) -> None:
+        """Fill in ``pb``'s recomputed logprobs: the proximal policy's (decoupled loss or
+        ``recompute_logprobs``) and the reference's (``kl_coef > 0``)."""
+        a = self.cfg
+        t0 = time.perf_counter()
+        if a.use_decoupled_loss or a.recompute_logprobs:
+            pb.old_logp = self.compute_logprobs(batch)
+            if pb.mask.any():
+                pb.stats["actor/behav_prox_logp_diff"] = float(
+                    (pb.old_logp - pb.behav_logp)[pb.mask].abs().mean()
+                )
+        if self.ref_model is not None:
+            pb.ref_logp = self.compute_logprobs(batch, self.ref_model)
+        pb.stats["time/recompute_s"] += time.perf_counter() - t0
 
     # -- update -----------------------------------------------------------------------------
 
     def update(
-        self, batch: dict[str, torch.Tensor], *, step: int | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        step: int | None = None,
+        require_signal: bool = False,
     ) -> dict[str, float]:
         """One PPO update (``ppo_epochs`` × ``ppo_n_minibatches`` optimiser steps) on ``batch``.
+
+        A batch whose every advantage is 0 has no policy gradient; it is skipped
+        (``actor/update_skipped``), unless a KL or entropy term still has a gradient, and
+        ``require_signal`` skips it then too (before any logprob is recomputed): the trainer
+        asks for that while it may redraw such a batch (``trainer.redraw_batches_without_signal``).
 
         Blocking and CPU/GPU heavy: the trainer calls it through ``asyncio.to_thread``.
         """
         t_start = time.perf_counter()
         memory.reset_peak()
         self.activate()
-        pb = self.prepare(batch)
+        pb = self.prepare(batch, score=False)
         a = self.cfg
-        stats = dict(pb.stats)
         n_tokens = int(pb.mask.sum())
+        signal = bool((pb.adv[pb.mask] != 0).any()) if n_tokens else False
+        pb.stats["actor/has_signal"] = float(signal)
+        regularised = a.kl_coef > 0 or a.entropy_coef > 0
+        if n_tokens and (signal or (regularised and not require_signal)):
+            self.score(batch, pb)
+        if self.trace is not None:
+            self.trace.prepared(batch, pb)
+        stats = dict(pb.stats)
         stats["actor/scored_tokens"] = float(n_tokens)
         stats["actor/rows"] = float(pb.mask.shape[0])
         if self.dist.distributed:
             stats["dist/world_size"] = float(self.dist.world_size)
-        signal = bool((pb.adv[pb.mask] != 0).any()) if n_tokens else False
-        if n_tokens == 0 or (not signal and a.kl_coef == 0 and a.entropy_coef == 0):
+        if n_tokens == 0 or (not signal and (require_signal or not regularised)):
             # Every advantage is 0: the PPO gradient is exactly 0, so an optimiser step would only
-            # move Adam's moments. Skip it (and say so).
+            # move Adam's moments (or only pull towards the reference). Skip it (and say so).
             stats["actor/update_skipped"] = 1.0
             stats["time/update_s"] = time.perf_counter() - t_start
             stats["mem/update_peak_rss_gb"] = memory.peak_rss_gb()

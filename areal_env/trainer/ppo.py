@@ -383,11 +383,13 @@ class PPOTrainer:
             metrics["mem/rollout_peak_rss_gb"] = memory.peak_rss_gb()
             if self._fault is not None and self._fault.should_kill_before_update(pos.step + 1):
                 kill_now(f"step {pos.step + 1}: batch fetched, update not started")
-            metrics.update(await self._update(batch))
-            no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
             budget = self.config.trainer.redraw_batches_without_signal
-            redraw = no_signal and pos.redraws_used < budget
-            if not (redraw and isinstance(source, DatasetSource)):
+            may_redraw = pos.redraws_used < budget and isinstance(source, DatasetSource)
+            # while it may be redrawn, a batch without signal is not trained on, even where a
+            # KL or entropy term would still move the policy: it is replaced instead
+            metrics.update(await self._update(batch, require_signal=may_redraw))
+            no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
+            if not (no_signal and may_redraw):
                 metrics["rollout/redrawn"] = float(redrawn)
                 metrics["time/rollout_s"] = rollout_s
                 return metrics, batch.episodes, batch.trainer_version
@@ -404,11 +406,15 @@ class PPOTrainer:
             source.skip_step()  # that batch is consumed without an update
             self.books.dump(batch.episodes, batch.trainer_version, pos.step + 1)
 
-    async def _update(self, batch: RolloutBatch) -> dict[str, Any]:
+    async def _update(self, batch: RolloutBatch, *, require_signal: bool) -> dict[str, Any]:
         """One PPO update per policy, each on its own rows of the batch (collated into tensors
-        here, once per policy), on every rank. ``actor/updated``: some policy was updated."""
+        here, once per policy), on every rank. ``actor/updated``: some policy was updated.
+        ``require_signal``: a policy whose rows have no non-zero advantage is not updated
+        (``PPOActor.update``)."""
         if not self.config.policies:
-            return await self._update_policy(self.policies[None], batch.groups, batch)
+            return await self._update_policy(
+                self.policies[None], batch.groups, batch, require_signal=require_signal
+            )
         out: dict[str, Any] = {}
         left_out = unrouted_rows(batch.groups, list(self.policies))
         if left_out:
@@ -423,7 +429,9 @@ class PPOTrainer:
             assert name is not None
             out.update(policy_rollout_stats(batch.groups, name, batch.trainer_version))
             groups = policy_groups(batch.groups, name)
-            stats = await self._update_policy(policy, groups or [], batch)
+            stats = await self._update_policy(
+                policy, groups or [], batch, require_signal=require_signal
+            )
             out.update({f"{policy.prefix}{k}": v for k, v in stats.items()})
         out["actor/updated"] = float(
             any(out.get(f"{p.prefix}actor/updated") for p in self.policies.values())
@@ -434,7 +442,12 @@ class PPOTrainer:
         return out
 
     async def _update_policy(
-        self, policy: Policy, groups: list[list[Episode]], batch: RolloutBatch
+        self,
+        policy: Policy,
+        groups: list[list[Episode]],
+        batch: RolloutBatch,
+        *,
+        require_signal: bool,
     ) -> dict[str, Any]:
         """One PPO update of ``policy`` on ``groups`` (skipped when it has no trained token).
         The token record (``areal-env view``) gets its rows with what the update did: a part
@@ -453,11 +466,16 @@ class PPOTrainer:
         step = self.position.step
 
         def update_all_ranks() -> dict[str, float]:
-            cmd: dict[str, Any] = {"op": "update", "batch": tensors, "step": step}
+            cmd: dict[str, Any] = {
+                "op": "update",
+                "batch": tensors,
+                "step": step,
+                "require_signal": require_signal,
+            }
             if policy.name is not None:
                 cmd["policy"] = policy.name
             self.ranks.announce(cmd)
-            return policy.actor.update(tensors, step=step)
+            return policy.actor.update(tensors, step=step, require_signal=require_signal)
 
         ustats = await asyncio.to_thread(update_all_ranks)
         if self.token_log is not None:
@@ -534,7 +552,11 @@ class PPOTrainer:
             if op == "update":
                 self.position.step = int(cmd["step"])
                 policy = self.policies[cmd.get("policy")]
-                policy.actor.update(cmd["batch"], step=self.position.step)
+                policy.actor.update(
+                    cmd["batch"],
+                    step=self.position.step,
+                    require_signal=bool(cmd.get("require_signal", False)),
+                )
             elif op == "push":
                 self.policies[cmd.get("policy")].pusher.gather(cmd["what"])
             elif op == "save":

@@ -282,6 +282,25 @@ def test_reference_in_bf16_is_half_the_bytes_and_close_to_fp32(model_path, token
     stats = actor.update(batch, step=0)
     assert stats["actor/ref_kl"] > 0  # the bf16 rounding is seen as a (small) distance
     assert stats["actor/optimizer_steps"] >= 1
+    assert stats["actor/has_signal"] == 1.0
+
+    # a batch without signal (every reward equal): the KL term alone still trains on it, unless
+    # the trainer requires a signal (it may redraw the batch): then nothing is recomputed either
+    flat = {**batch, "rewards": torch.zeros(4)}
+    scored: list[object] = []
+    real = actor.compute_logprobs
+
+    def counting(b, model=None):
+        scored.append(model)
+        return real(b, model)
+
+    actor.compute_logprobs = counting  # type: ignore[method-assign]
+    skipped = actor.update(flat, step=1, require_signal=True)
+    assert skipped["actor/update_skipped"] == 1.0 and skipped["actor/has_signal"] == 0.0
+    assert scored == []  # no reference forward for a batch that is not trained on
+    kl_only = actor.update(flat, step=1)
+    assert kl_only["actor/update_skipped"] == 0.0 and kl_only["actor/ref_kl"] > 0
+    assert actor.ref_model in scored
 
 
 def test_failed_explorations_are_not_pushed_down(actor_and_batch):

@@ -374,6 +374,44 @@ def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
     assert len(step2) == 4 and all(r["gap"] is not None and r["row_id"] for r in step2)
 
 
+@pytest.mark.timeout(600)
+def test_a_kl_term_does_not_stop_redraws(tmp_path):
+    """With ``actor.kl_coef > 0`` a batch without signal still has a gradient (the KL term's),
+    but while the redraw budget lasts it is replaced, not trained on (the KL term used to make
+    every such batch an update, so no batch was ever redrawn); once the budget is spent, the
+    KL term trains on it as before."""
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=redraw_kl",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "gconfig.max_new_tokens=3",
+            "trainer.total_train_steps=2",
+            "trainer.redraw_batches_without_signal=1",
+            "actor.kl_coef=0.05",
+            "trainer.tensorboard=false",
+            "trainer.recover='off'",
+            "trainer.progress=false",
+            "rollout.dump_to_file=false",
+        ],
+    )
+    with PPOTrainer(cfg, DATA) as trainer:
+        final = trainer.train(workflow=LateSignalAgent(zeros=8))
+        assert trainer.redraws_used == 1
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    assert [r["rollout/redrawn"] for r in rows] == [1.0, 0.0]
+    assert [r["actor/has_signal"] for r in rows] == [0.0, 1.0]
+    # step 1's second batch has no signal either; the budget is spent, so the KL term trains
+    assert [r["actor/updated"] for r in rows] == [1.0, 1.0]
+    assert [r["data/batch_index"] for r in rows] == [2, 3]
+
+
 class KindAgent:
     """Rewards by the item's kind: an ``easy`` item's attempts alternate 1, 0 (its rewards
     vary), ``hard`` is never solved."""

@@ -389,7 +389,7 @@ class PPOTrainer:
             # KL or entropy term would still move the policy: it is replaced instead
             metrics.update(await self._update(batch, require_signal=may_redraw))
             no_signal = not metrics.get("actor/updated") and not metrics.get("empty_batch")
-            if not (no_signal and may_redraw):
+            if not (no_signal and may_redraw and isinstance(source, DatasetSource)):
                 metrics["rollout/redrawn"] = float(redrawn)
                 metrics["time/rollout_s"] = rollout_s
                 return metrics, batch.episodes, batch.trainer_version

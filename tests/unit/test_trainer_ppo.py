@@ -317,11 +317,9 @@ class LateSignalAgent:
         return 0.0 if n < self.zeros else float(n % 2)
 
 
-@pytest.mark.timeout(600)
-def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
-    """``trainer.redraw_batches_without_signal: 1``: step 1's first batch (all rewards 0) is
-    replaced by the next one; that one has no signal either and the budget is spent, so step 1
-    ends without an update; step 2 updates. The budget used is checkpointed for a resume."""
+def _train_with_one_redraw(tmp_path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+    """Two steps with a redraw budget of 1 on ``LateSignalAgent(zeros=8)``: the first two
+    batches have no signal. Returns the run's final dict and its metrics rows."""
     from areal_env.api.config import ExperimentConfig, load_config
     from areal_env.trainer.ppo import PPOTrainer
 
@@ -330,7 +328,7 @@ def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
         None,
         [
             f"fileroot={tmp_path}",
-            "experiment_name=redraw",
+            f"experiment_name={name}",
             "rollout.batch_size=2",
             "rollout.n_samples=2",
             "gconfig.max_new_tokens=3",
@@ -339,12 +337,22 @@ def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
             "trainer.tensorboard=false",
             "trainer.recover='off'",
             "trainer.progress=false",
+            *overrides,
         ],
     )
     with PPOTrainer(cfg, DATA) as trainer:
         final = trainer.train(workflow=LateSignalAgent(zeros=8))
         assert trainer.redraws_used == 1
     rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    return final, rows
+
+
+@pytest.mark.timeout(600)
+def test_batches_without_signal_are_redrawn_within_the_budget(tmp_path):
+    """``trainer.redraw_batches_without_signal: 1``: step 1's first batch (all rewards 0) is
+    replaced by the next one; that one has no signal either and the budget is spent, so step 1
+    ends without an update; step 2 updates. The budget used is checkpointed for a resume."""
+    final, rows = _train_with_one_redraw(tmp_path, "redraw")
     assert [r["rollout/redrawn"] for r in rows] == [1.0, 0.0]
     assert [r["actor/updated"] for r in rows] == [0.0, 1.0]
     assert [r["data/batch_index"] for r in rows] == [2, 3]  # three batches drawn for two steps
@@ -380,31 +388,9 @@ def test_a_kl_term_does_not_stop_redraws(tmp_path):
     but while the redraw budget lasts it is replaced, not trained on (the KL term used to make
     every such batch an update, so no batch was ever redrawn); once the budget is spent, the
     KL term trains on it as before."""
-    from areal_env.api.config import ExperimentConfig, load_config
-    from areal_env.trainer.ppo import PPOTrainer
-
-    cfg = load_config(
-        ExperimentConfig,
-        None,
-        [
-            f"fileroot={tmp_path}",
-            "experiment_name=redraw_kl",
-            "rollout.batch_size=2",
-            "rollout.n_samples=2",
-            "gconfig.max_new_tokens=3",
-            "trainer.total_train_steps=2",
-            "trainer.redraw_batches_without_signal=1",
-            "actor.kl_coef=0.05",
-            "trainer.tensorboard=false",
-            "trainer.recover='off'",
-            "trainer.progress=false",
-            "rollout.dump_to_file=false",
-        ],
+    _, rows = _train_with_one_redraw(
+        tmp_path, "redraw_kl", "actor.kl_coef=0.05", "rollout.dump_to_file=false"
     )
-    with PPOTrainer(cfg, DATA) as trainer:
-        final = trainer.train(workflow=LateSignalAgent(zeros=8))
-        assert trainer.redraws_used == 1
-    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
     assert [r["rollout/redrawn"] for r in rows] == [1.0, 0.0]
     assert [r["actor/has_signal"] for r in rows] == [0.0, 1.0]
     # step 1's second batch has no signal either; the budget is spent, so the KL term trains

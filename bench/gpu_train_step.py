@@ -289,6 +289,43 @@ def run_strategy(
     return out
 
 
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start_us, end_us)`` intervals, in seconds: time the device
+    had at least one kernel or copy running (overlapping streams count once)."""
+    total = 0.0
+    end_of_run = float("-inf")
+    start_of_run = 0.0
+    for start, end in sorted(intervals):
+        if start > end_of_run:
+            if end_of_run > float("-inf"):
+                total += end_of_run - start_of_run
+            start_of_run, end_of_run = start, end
+        else:
+            end_of_run = max(end_of_run, end)
+    if end_of_run > float("-inf"):
+        total += end_of_run - start_of_run
+    return total / 1e6
+
+
+def device_busy_seconds(events: Any) -> float:
+    """Busy time of the GPU from the profiler's device events: kernels and copies only. The
+    operator table's self-CUDA column cannot be summed for this: it lists a kernel under its
+    launching operator and again on its own, and a ``record_function`` range spans kernels it
+    contains, so its sum ran past the wall time (1.14 of it, 2026-11-27)."""
+    from torch.autograd import DeviceType
+
+    ranges = {e.name for e in events if e.is_user_annotation}  # their GPU copies too
+    return busy_seconds(
+        [
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == DeviceType.CUDA
+            and not e.is_user_annotation
+            and e.name not in ranges
+        ]
+    )
+
+
 def profile_update(
     actor: PPOActor, batch: dict[str, torch.Tensor], device: torch.device, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -305,9 +342,6 @@ def profile_update(
     events = prof.key_averages()
     on_device = device.type == "cuda"
 
-    def dev_total(e: Any) -> float:
-        return float(getattr(e, "self_device_time_total", 0) or 0)
-
     if on_device:
         _say(events.table(sort_by="self_cuda_time_total", row_limit=25))
     _say(events.table(sort_by="self_cpu_time_total", row_limit=25))
@@ -321,7 +355,7 @@ def profile_update(
         if e.key.startswith(("actor/", "tree/"))
     }
     _say("phases (record_function ranges): " + json.dumps(phases, indent=1))
-    busy = sum(dev_total(e) for e in events) / 1e6 if on_device else None
+    busy = device_busy_seconds(prof.events()) if on_device else None
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(args.profile_dir) / "tree_update_trace.json"))

@@ -57,3 +57,15 @@ def test_gpu_train_step_bench_on_the_cpu(tmp_path):
     phases = res["single"]["profile"]["phases"]
     assert {"actor/forward", "actor/backward", "actor/optimizer_step", "tree/mask"} <= set(phases)
     assert (tmp_path / "profile" / "tree_update_trace.json").is_file()
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """The bench's GPU busy fraction is the union of kernel intervals: two streams running at
+    once are busy once, and gaps are idle (summing the operator table ran past the wall)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from gpu_train_step import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    # [0, 10) and [5, 20) overlap -> 20 us; [30, 40) after a gap -> 10 us; [32, 35) inside it
+    intervals = [(30.0, 40.0), (0.0, 10.0), (5.0, 20.0), (32.0, 35.0)]
+    assert busy_seconds(intervals) == 30e-6

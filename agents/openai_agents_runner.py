@@ -187,7 +187,7 @@ class RunnerAgent(EnvAgentBase):
                     raise failures[0]
                 transcript = [*messages, *(_item_dict(i) for i in items)]
                 outcome = EpisodeOutcome(data, final_answer, transcript, tool_log)
-                return await compute_reward(outcome, env, self.reward_fn)
+                return (await compute_reward(outcome, env, self.reward_fn)).value
 
 
 def _sdk_tool_choice(choice: str | dict[str, Any] | None) -> str | None:

@@ -67,7 +67,7 @@ class ResponsesAgent(EnvAgentBase):
                             }
                         )
                 outcome = EpisodeOutcome(data, final_answer, items, tool_log)
-                return await compute_reward(outcome, env, self.reward_fn)
+                return (await compute_reward(outcome, env, self.reward_fn)).value
 
     async def _run_tool(self, env: Any, name_map: dict[str, str], call: Any, log: list) -> str:
         entry = await logged_tool_call(

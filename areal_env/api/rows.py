@@ -10,6 +10,7 @@ rows too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,11 @@ class TrainingRow:
     policy: str | None = None
     """The policy whose tokens the row trains (a multi-agent run's ``policies:`` name: the
     ``model`` the completion was asked of); ``None`` in a run with one policy."""
+    returns: list[float] | None = None
+    """Per token, the return of the turn the token belongs to, when the turns of one row earn
+    different credit: a ``concat`` row whose intermediate completions carry rewards of their own
+    (a verifier's credit for a right tool call), or ``rollout.discount < 1``. ``reward`` is then
+    the return of the row's first turn. ``None``: every token earns ``reward``."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -61,6 +67,11 @@ class TrainingRow:
             raise ValueError(
                 f"row temperature has {len(self.temperature)} entries, input_ids has {n}"
             )
+        if self.returns is not None:
+            if len(self.returns) != n:
+                raise ValueError(f"row returns has {len(self.returns)} entries, input_ids has {n}")
+            if not all(math.isfinite(x) for x in self.returns):
+                raise ValueError("row returns must be finite numbers")
 
     @classmethod
     def from_dict(cls, row: Mapping[str, Any], *, traj_id: int = 0) -> TrainingRow:
@@ -76,6 +87,7 @@ class TrainingRow:
             temperature=_temperature(row.get("temperature", 1.0)),
             explored=bool(row.get("explored", False)),
             policy=_policy(row.get("policy")),
+            returns=_returns(row.get("returns")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +112,16 @@ def _policy(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value or None
     raise ValueError(f"row policy must be a policy name (a string), got {value!r}")
+
+
+def _returns(value: Any) -> list[float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"row returns must be a list of numbers (one per token), got {value!r:.80}"
+        )
+    return [float(x) for x in value]
 
 
 def _temperature(value: Any) -> float | list[float]:

@@ -78,12 +78,16 @@ class AenvAgent(EnvAgentBase):
         self.first_turn_tool_choice = first_turn_tool_choice
 
     # ------------------------------------------------------------------------------------------
-    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float | dict[str, float]:
         """Run one episode on ``data`` and return its reward.
 
         ``extra_kwargs``: ``base_url``, ``api_key``, ``http_client`` (injected by the training
         workflow; else ``OPENAI_BASE_URL``/``OPENAI_API_KEY``), ``model``, ``is_eval`` (True in a
         held-out evaluation: the proxy session is greedy then; the episode itself is the same).
+
+        A float, or ``{completion_id: reward}`` when the reward function credits tool calls
+        (``call_rewards``): each call's credit goes to the completion that made it. A held-out
+        evaluation always gets the episode's reward alone (success is the final answer's).
         """
         model = self.model_name(extra_kwargs)
         async with self.openai_client(extra_kwargs) as client:
@@ -91,7 +95,9 @@ class AenvAgent(EnvAgentBase):
                 outcome = await self._episode(client, model, env, data)
                 reward = await compute_reward(outcome, env, self.reward_fn)
         logger.debug("episode done: reward=%s answer=%r", reward, outcome.final_answer[:80])
-        return reward
+        if extra_kwargs.get("is_eval"):
+            return reward.value
+        return reward.per_completion(outcome)
 
     def open_environment(self, data: dict[str, Any]) -> Any:
         """The environment for one episode (``async with``); override to pick one per item."""
@@ -104,6 +110,7 @@ class AenvAgent(EnvAgentBase):
         messages = initial_messages(data, self.system_prompt)
         tool_log: list[dict[str, Any]] = []
         final_answer: str | None = None
+        completion_ids: list[str] = []
         request: dict[str, Any] = {"model": model, **self.sampling}
         if tools:
             request["tools"] = tools
@@ -113,6 +120,7 @@ class AenvAgent(EnvAgentBase):
                 choice = self.first_turn_tool_choice
             extra = {"tool_choice": choice} if tools and choice is not None else {}
             resp = await client.chat.completions.create(messages=messages, **request, **extra)
+            completion_ids.append(resp.id)
             msg = resp.choices[0].message
             assistant: dict[str, Any] = {"role": "assistant", "content": msg.content}
             calls = list(msg.tool_calls or [])
@@ -131,12 +139,13 @@ class AenvAgent(EnvAgentBase):
                 break
             for call in calls:
                 messages.append(await self._run_tool(env, name_map, call, tool_log))
+                tool_log[-1]["completion_id"] = resp.id  # who made the call (call credit)
         if final_answer is None:  # out of turns: the last thing the model said counts
             final_answer = next(
                 (m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"),
                 "",
             )
-        return EpisodeOutcome(data, final_answer, messages, tool_log)
+        return EpisodeOutcome(data, final_answer, messages, tool_log, completion_ids)
 
     async def _run_tool(
         self,

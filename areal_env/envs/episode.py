@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from areal_env.api.imports import import_string
@@ -165,19 +166,75 @@ class EpisodeOutcome:
     final_answer: str
     messages: list[dict[str, Any]]
     tool_calls: list[dict[str, Any]]
+    completion_ids: list[str] = field(default_factory=list)
+    """Every model completion of the episode, in order (the proxy's ids: what a per-completion
+    reward names); the last one gave the final answer."""
+
+
+@dataclass(frozen=True)
+class EpisodeReward:
+    """What the reward function said of an episode.
+
+    ``value``: the episode's reward (paid to the completion that gave the final answer).
+    ``call_rewards``: optional credit per tool call, aligned with the episode's tool calls (a
+    verifier's "this call was a right step"): each is paid to the completion that made the call,
+    so that in training a right call followed by a wrong answer is told apart from a wrong call
+    (per-turn credit; docs/training.md, "Credit per tool call"). Empty: none given.
+    """
+
+    value: float
+    call_rewards: tuple[float, ...] = ()
+
+    def per_completion(self, outcome: EpisodeOutcome) -> float | dict[str, float]:
+        """The agent's return value: ``value`` alone when there is no call credit (or nothing
+        to pay it to), else ``{completion_id: reward}`` with every call's credit added to the
+        completion that made it and ``value`` to the last completion."""
+        if not self.call_rewards or not outcome.completion_ids:
+            return self.value
+        out: dict[str, float] = {}
+        for entry, credit in zip(outcome.tool_calls, self.call_rewards, strict=True):
+            cid = entry.get("completion_id")
+            if credit and isinstance(cid, str):
+                out[cid] = out.get(cid, 0.0) + credit
+        if not out:  # no call earned anything: the episode's reward, as without credit
+            return self.value
+        last = outcome.completion_ids[-1]
+        out[last] = out.get(last, 0.0) + self.value
+        return out
+
+
+def episode_reward(result: Any, n_calls: int) -> EpisodeReward:
+    """An :class:`EpisodeReward` from a reward function's result: a number, or a dict with
+    ``reward`` (``score``, ``value``) and optionally ``call_rewards``: one number per tool call
+    of the episode. ``ValueError`` says what is wrong with it."""
+    value = reward_value(result)
+    credits = result.get("call_rewards") if isinstance(result, dict) else None
+    if credits is None:
+        return EpisodeReward(value)
+    if not isinstance(credits, list | tuple) or len(credits) != n_calls:
+        raise ValueError(
+            f"call_rewards must be a list with one number per tool call of the episode "
+            f"({n_calls}), got {credits!r:.120}"
+        )
+    out = []
+    for x in credits:
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise ValueError(f"call_rewards must hold finite numbers, got {x!r}")
+        out.append(float(x))
+    return EpisodeReward(value, tuple(out))
 
 
 async def compute_reward(
     outcome: EpisodeOutcome,
     env: ToolEnvironment,
     reward_fn: Callable[..., Any] | None,
-) -> float:
-    """The episode's reward as a float.
+) -> EpisodeReward:
+    """The episode's reward, and the credit per tool call if the function gives one.
 
     With ``reward_fn``: called with the keywords it accepts among ``data``/``task``,
     ``final_answer``, ``messages``, ``tool_calls`` and ``env`` (may be async); returns a number
-    or ``{"reward": x}``. Without: the environment's reward function receives
-    ``{"final_answer", "task", "tool_calls"}`` as JSON.
+    or ``{"reward": x}`` (with ``"call_rewards": [...]`` for per-call credit). Without: the
+    environment's reward function receives ``{"final_answer", "task", "tool_calls"}`` as JSON.
     """
     if reward_fn is not None:
         candidates = {
@@ -199,7 +256,7 @@ async def compute_reward(
         result = reward_fn(**kwargs)
         if inspect.isawaitable(result):
             result = await result
-        return reward_value(result)
+        return episode_reward(result, len(outcome.tool_calls))
     if not env.has_reward:
         raise ValueError(f"{env.where} has no reward endpoint: give the agent a reward_fn")
     result = await env.call_reward(
@@ -209,7 +266,7 @@ async def compute_reward(
             "tool_calls": json_safe(outcome.tool_calls),
         }
     )
-    return reward_value(result)
+    return episode_reward(result, len(outcome.tool_calls))
 
 
 def sampling_kwargs(

@@ -444,13 +444,17 @@ class InteractionCache:
                 if self._items[ancestor].policy == it.policy
             }
             return {
-                it.id: self._row(it, it.extra.get("spans", []), rewards[it.id])
+                it.id: self._row(it, it.extra.get("spans", []), rewards[it.id], discount)
                 for it in items
                 if it.id not in continued
             }
 
     def _row(
-        self, it: Interaction, spans: list[tuple[int, int, str]], reward: float
+        self,
+        it: Interaction,
+        spans: list[tuple[int, int, str]],
+        reward: float,
+        discount: float = 1.0,
     ) -> dict[str, Any]:
         n_prompt, n_out = len(it.prompt_ids), len(it.output_ids)
         loss_mask = [0] * n_prompt + _trained(it)
@@ -472,12 +476,15 @@ class InteractionCache:
                 temps = [t_end] * (n_prompt + n_out)
             if temps is not None:
                 temps[start : start + length] = [t_anc] * length
+        reward, returns = self._turn_returns(it, spans, reward, discount)
         return {
             "input_ids": [*it.prompt_ids, *it.output_ids],
             "loss_mask": loss_mask,
             "logprobs": [float(x) for x in logprobs],
             "versions": [int(v) for v in versions],
             "reward": float(reward),
+            # per token, the return of its turn, when the row's turns earned different credit
+            "returns": returns,
             # The temperature the logprobs were taken at (proxy.sampling): the trainer
             # recomputes at the same one. A list (per token) when the row's turns differ.
             "temperature": temps if temps is not None else t_end,
@@ -485,3 +492,36 @@ class InteractionCache:
             "explored": explored,
             "policy": it.policy,
         }
+
+    def _turn_returns(
+        self, it: Interaction, spans: list[tuple[int, int, str]], reward: float, discount: float
+    ) -> tuple[float, list[float] | None]:
+        """``(the row's reward, per-token returns or None)`` of a ``concat`` row.
+
+        Each turn of the row (an output of the row's policy it continues, then its own output)
+        earns ``G = own reward + discount * G(next turn)``; the last turn earns ``reward``, the
+        end's discounted value. Only this chain counts: a sibling branch's rewards never flow
+        into the row. The row's reward is its first turn's return (all the credit it earned);
+        the per-token list is given only when the turns' returns differ (a reward set on an
+        intermediate completion, a verifier's credit for a right tool call, or ``discount < 1``).
+        """
+        own = [
+            (start, length, self._items[aid].reward or 0.0)
+            for start, length, aid in spans
+            if self._items[aid].policy == it.policy
+        ]
+        if not own:
+            return reward, None
+        returns_by_turn = [reward]
+        for _, _, r in reversed(own):
+            returns_by_turn.append(r + discount * returns_by_turn[-1])
+        returns_by_turn.reverse()  # first turn first; the last entry is the end's output
+        first = returns_by_turn[0]
+        if all(g == first for g in returns_by_turn):
+            return first, None
+        n_prompt = len(it.prompt_ids)
+        per_token = [first] * (n_prompt + len(it.output_ids))
+        for (start, length, _), g in zip(own, returns_by_turn, strict=False):
+            per_token[start : start + length] = [g] * length
+        per_token[n_prompt:] = [returns_by_turn[-1]] * len(it.output_ids)
+        return first, per_token

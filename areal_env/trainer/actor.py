@@ -415,14 +415,20 @@ class PPOActor:
         rewards = shape_rewards(
             batch["rewards"], scaling=a.reward_scaling, bias=a.reward_bias, clip=a.reward_clip
         )
-        row_adv, astats = group_advantages(
+        token_rewards = batch.get("token_rewards")
+        if isinstance(token_rewards, torch.Tensor):
+            token_rewards = shape_rewards(
+                token_rewards, scaling=a.reward_scaling, bias=a.reward_bias, clip=a.reward_clip
+            )
+        centred, astats = group_advantages(
             rewards,
             batch.get("group_ids"),
             batch.get("traj_ids"),
             mean_norm=a.group_adv_norm,
             std_norm=a.group_std_norm,
+            token_rewards=token_rewards if isinstance(token_rewards, torch.Tensor) else None,
         )
-        adv = token_advantages(row_adv, mask, batch_norm=a.batch_adv_norm)
+        adv = token_advantages(centred, mask, batch_norm=a.batch_adv_norm)
         explored = batch.get("explored")
         n_dropped = 0
         if not a.punish_failed_exploration and isinstance(explored, torch.Tensor):

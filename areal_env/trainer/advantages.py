@@ -11,6 +11,12 @@ completions carry discounted rewards): a trajectory's *score* is the mean of its
 rewards; the group's mean and std are computed over the scores of its trajectories; each row's
 advantage is ``(row_reward - group_mean) / (group_std + eps)``. With ``discount = 1`` all rows of
 a trajectory share one reward and this is plain GRPO.
+
+Per-turn credit inside one row (``token_rewards``: a ``concat`` row whose turns earned different
+returns, e.g. a verifier's credit for a right intermediate tool call): the group statistics are
+still taken over trajectory scores (a row's reward is its first turn's return, all the credit it
+earned), and each *token* is centred and scaled by them with its own turn's return, so a right
+call followed by a wrong answer pushes the call up against a wrong call and the answer down.
 """
 
 from __future__ import annotations
@@ -60,8 +66,10 @@ def group_advantages(
     mean_norm: bool = True,
     std_norm: bool = True,
     eps: float = EPS,
+    token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AdvantageStats]:
-    """Per-row advantages ``[B]`` from per-row rewards ``[B]``.
+    """Per-row advantages ``[B]`` from per-row rewards ``[B]``; per-token ``[B, L]`` when
+    ``token_rewards`` (each token's return) is given.
 
     ``group_ids`` missing = the whole batch is one group; ``traj_ids`` missing = every row is its
     own trajectory. The std is the unbiased sample std over the group's trajectory scores. With
@@ -72,7 +80,11 @@ def group_advantages(
     n = rewards.numel()
     gids = _ids_or_default(group_ids, n, "batch")
     tids = _ids_or_default(traj_ids, n, "row")
-    adv = torch.zeros(n, dtype=torch.float32)
+    # what is centred: each row's reward, or each token's return
+    values = rewards if token_rewards is None else token_rewards.float()
+    if token_rewards is not None and values.shape[0] != n:
+        raise ValueError(f"token_rewards has {values.shape[0]} rows, rewards has {n}")
+    adv = torch.zeros_like(values)
     zero_var = 0
     groups = torch.unique(gids)
     n_traj_total = 0
@@ -86,7 +98,7 @@ def group_advantages(
         no_signal = scores.numel() < 2 or float(scores.max() - scores.min()) < eps
         zero_var += no_signal
         if not mean_norm:
-            adv[rows] = rewards[rows]
+            adv[rows] = values[rows]
             continue
         if no_signal:
             # Nothing to compare: advantage 0 for every row. (Rows of one trajectory may still
@@ -94,7 +106,7 @@ def group_advantages(
             # made advantages of 1e5.)
             continue
         mean = scores.mean()
-        centred = rewards[rows] - mean
+        centred = values[rows] - mean
         if std_norm:
             std = scores.std(unbiased=True) if scores.numel() > 1 else torch.tensor(0.0)
             centred = centred / (std + eps)
@@ -117,12 +129,14 @@ def group_advantages(
 def token_advantages(
     row_adv: torch.Tensor, loss_mask: torch.Tensor, *, batch_norm: bool = False, eps: float = EPS
 ) -> torch.Tensor:
-    """Broadcast row advantages onto the row's loss-mask tokens ``[B, L]`` (0 elsewhere).
+    """Broadcast row advantages ``[B]`` onto the row's loss-mask tokens ``[B, L]`` (0
+    elsewhere); per-token advantages ``[B, L]`` are masked the same way.
 
     ``batch_norm`` then normalises over all loss-mask tokens of the batch (mean 0, std 1).
     """
     mask = loss_mask.bool()
-    adv = row_adv.float().view(-1, 1).expand_as(mask) * mask
+    per_token = row_adv.float() if row_adv.dim() == 2 else row_adv.float().view(-1, 1)
+    adv = per_token.expand_as(mask) * mask
     if batch_norm and mask.any():
         vals = adv[mask]
         mean = vals.mean()

@@ -25,8 +25,9 @@ ROW_KEYS = ("rewards", "group_ids", "traj_ids", "explored")
 def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
     """A right-padded batch: ``input_ids`` int64 [B, L], ``attention_mask`` bool, ``loss_mask``
     int32, ``logprobs`` float32, ``versions`` int32, and ``rewards`` float32, ``group_ids`` /
-    ``traj_ids`` int64 [B], ``explored`` bool [B], ``temperatures`` float32 [B, L] (each token's sampling temperature).
-    ``ValueError`` for no rows."""
+    ``traj_ids`` int64 [B], ``explored`` bool [B], ``temperatures`` float32 [B, L] (each
+    token's sampling temperature), ``token_rewards`` float32 [B, L] (each token's return: the
+    row's ``returns``, else its reward on every token). ``ValueError`` for no rows."""
     if not rows:
         raise ValueError("collate needs at least one row")
     b, width = len(rows), max(r.num_tokens for r in rows)
@@ -42,6 +43,8 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
         "explored": torch.tensor([r.explored for r in rows], dtype=torch.bool),
         # the temperature each token's logprob was taken at (proxy.sampling); 1.0 on padding
         "temperatures": torch.ones(b, width, dtype=torch.float32),
+        # each token's return (per-turn credit); the row's reward where it has no returns
+        "token_rewards": torch.zeros(b, width, dtype=torch.float32),
     }
     for i, r in enumerate(rows):
         n = r.num_tokens
@@ -54,6 +57,10 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
             out["temperatures"][i, :n] = torch.as_tensor(r.temperature, dtype=torch.float32)
         else:
             out["temperatures"][i, :n] = float(r.temperature)
+        if r.returns is not None:
+            out["token_rewards"][i, :n] = torch.as_tensor(r.returns, dtype=torch.float32)
+        else:
+            out["token_rewards"][i, :n] = float(r.reward)
     return out
 
 
@@ -159,9 +166,20 @@ def rows_of_tensor_dict(td: Mapping[str, Any]) -> list[TrainingRow]:
                 traj_id=int(traj[i]) if traj is not None else 0,
                 temperature=_row_temperature(td.get("temperatures"), i, n),
                 explored=bool(td["explored"][i]) if "explored" in td else False,
+                returns=_row_returns(td.get("token_rewards"), rewards, i, n),
             )
         )
     return rows
+
+
+def _row_returns(token_rewards: Any, rewards: Any, i: int, n: int) -> list[float] | None:
+    """Row ``i``'s per-token returns from a padded ``token_rewards`` tensor (None when every
+    token earns the row's reward)."""
+    if token_rewards is None:
+        return None
+    values = [float(x) for x in token_rewards[i, :n].tolist()]
+    reward = float(rewards[i]) if rewards is not None else 0.0
+    return None if all(v == reward for v in values) else values
 
 
 def _interaction_row(it: Any) -> TrainingRow:

@@ -68,6 +68,47 @@ def plain_answer(text: str | None) -> bool:
     return bool(text and text.strip()) and _MARKUP.search(text) is None
 
 
+CALL_CREDIT = 0.25
+"""What a right tool call earns (a right answer earns 1.0): paid to the completion that made the
+call, so a right first step of a two-step problem is learned before the whole chain is."""
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def right_step(call: dict, step: list) -> bool:
+    """Whether ``call`` (``{"name", "arguments", "is_error"}``) is the solution step ``step``
+    (``[tool, a, b, result]``); ``add`` and ``multiply`` take their operands in either order."""
+    name, a, b = step[0], float(step[1]), float(step[2])
+    args = call.get("arguments")
+    if call.get("is_error") or call.get("name") != name or not isinstance(args, dict):
+        return False
+    x, y = _number(args.get("a")), _number(args.get("b"))
+    if x is None or y is None:
+        return False
+    if (x, y) == (a, b):
+        return True
+    return name in ("add", "multiply") and (x, y) == (b, a)
+
+
+def call_credits(calls: list, steps: list) -> list[float]:
+    """``CALL_CREDIT`` for each call that makes the next step of the solution, else 0: the
+    steps must come in order (a call that repeats a done step, or jumps ahead, earns nothing),
+    and a wrong call in between does not stop a later right one from earning."""
+    credits, done = [], 0
+    for call in calls:
+        if done < len(steps) and isinstance(call, dict) and right_step(call, steps[done]):
+            credits.append(CALL_CREDIT)
+            done += 1
+        else:
+            credits.append(0.0)
+    return credits
+
+
 @register_reward
 def reward(
     final_answer: str = "",
@@ -75,13 +116,17 @@ def reward(
     tool_calls: list | None = None,
     **_: Any,
 ) -> dict:
-    """1.0 for a right plain answer, else 0.0: only right answers pay.
+    """1.0 for a right plain answer, else 0.0; and ``call_rewards``: ``CALL_CREDIT`` for each
+    tool call that is a right step of the solution (``task["steps"]``), paid to that call.
 
     The final answer is the agent's last reply (a reply without tool calls). It pays when it is
     plain text (no tool markup, see ``plain_answer``) and every number in it is the expected
     answer ("1509", "The total is 1509.").
-    Tool calls earn nothing by themselves: a right tool result that the agent does not turn into
-    an answer, a number of the wrong operation, or a copied tool response all score 0.
+    A right tool result that the agent does not turn into an answer, a number of the wrong
+    operation, or a copied tool response score 0 for the episode; the right call itself still
+    earns its credit (``call_credits``), so training can tell its turn from the answer's. A
+    right answer after a call the solution did not need (one made once every step was done)
+    does not pay either.
 
     ``task`` is the dataset item (it carries ``answer``); ``tool_calls`` lists the agent's calls
     as ``{"name", "arguments", "is_error", "result"}`` (reported, not scored).
@@ -98,8 +143,20 @@ def reward(
     correct = bool(plain and numbers) and all(
         math.isclose(x, expected, rel_tol=1e-6, abs_tol=1e-6) for x in numbers
     )
+    steps = task.get("steps") if isinstance(task.get("steps"), list) else []
+    credits = call_credits(tool_calls or [], steps)
+    # A call after the solution's last step is wasted: the answer after it does not pay. (A
+    # second call that returned the same number, then the right answer, taught the model to
+    # call again where it should answer; docs/training.md, "Credit per tool call".)
+    wasted = 0
+    if steps and credits.count(CALL_CREDIT) == len(steps):
+        last_step = max(i for i, c in enumerate(credits) if c)
+        wasted = len(credits) - 1 - last_step
+    correct = correct and wasted == 0
     return {
         "reward": 1.0 if correct else 0.0,
+        "call_rewards": credits,
+        "wasted_calls": wasted,
         "correct": correct,
         "plain": plain,
         "parsed": got,

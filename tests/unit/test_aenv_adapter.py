@@ -152,6 +152,52 @@ async def test_reward_plumbing(aenv_config, counter_server):
             {"final_answer": "", "task": {"answer": 12}, "tool_calls": [failed_call]}
         )
         assert reward_value(out) == 0.0
+        # call credit: each call that makes the next step of the solution earns 0.25, in order;
+        # add/multiply take their operands either way round; a wrong call in between earns 0
+        steps = [["multiply", 20, 31, 620], ["add", 620, 339, 959]]
+        calls = [
+            {"name": "add", "arguments": {"a": 31, "b": 339}, "is_error": False},  # wrong op
+            {"name": "multiply", "arguments": {"a": 31, "b": 20}, "is_error": False},
+            {"name": "multiply", "arguments": {"a": 20, "b": 31}, "is_error": False},  # again
+            {"name": "add", "arguments": {"a": "620", "b": 339}, "is_error": False},
+            {"name": "add", "arguments": {"a": 959, "b": 0}, "is_error": False},  # past the end
+        ]
+        out = await env.call_reward(
+            {"final_answer": "959", "task": {"answer": 959, "steps": steps}, "tool_calls": calls}
+        )
+        assert out["call_rewards"] == [0.0, 0.25, 0.0, 0.25, 0.0]
+        assert reward_value(out) == 0.0 and out["wasted_calls"] == 1  # the call past the end
+        # subtract and divide keep their order; a failed call earns nothing
+        steps = [["subtract", 50, 8, 42]]
+        for call, credit in (
+            ({"name": "subtract", "arguments": {"a": 8, "b": 50}, "is_error": False}, 0.0),
+            ({"name": "subtract", "arguments": {"a": 50, "b": 8}, "is_error": True}, 0.0),
+            ({"name": "subtract", "arguments": {"a": 50, "b": 8}, "is_error": False}, 0.25),
+        ):
+            out = await env.call_reward(
+                {"final_answer": "", "task": {"answer": 42, "steps": steps}, "tool_calls": [call]}
+            )
+            assert out["call_rewards"] == [credit]
+        # a call once every step is done is wasted: the right answer after it does not pay
+        steps = [["add", 40, 2, 42]]
+        done = {"name": "add", "arguments": {"a": 40, "b": 2}, "is_error": False, "result": "42"}
+        again = {"name": "add", "arguments": {"a": 42, "b": 0}, "is_error": False, "result": "42"}
+        task = {"answer": 42, "steps": steps}
+        out = await env.call_reward(
+            {"final_answer": "42", "task": task, "tool_calls": [done, again]}
+        )
+        assert reward_value(out) == 0.0 and out["wasted_calls"] == 1
+        assert out["call_rewards"] == [0.25, 0.0]
+        # a wrong call before the right one is not wasted
+        out = await env.call_reward(
+            {"final_answer": "42", "task": task, "tool_calls": [again, done]}
+        )
+        assert reward_value(out) == 1.0 and out["call_rewards"] == [0.0, 0.25]
+        # a task without steps: no credit, one entry per call all the same
+        out = await env.call_reward(
+            {"final_answer": "12", "task": {"answer": 12}, "tool_calls": [right_call]}
+        )
+        assert out["call_rewards"] == [0.0]
     async with AenvEnvironmentAdapter(_cfg(counter_server)) as env:
         assert reward_value(await env.call_reward({"value": 0.75})) == 0.75
         with pytest.raises(EnvCallError, match=r"(?s)reward.*1 attempt.*negative reward"):

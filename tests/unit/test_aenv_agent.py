@@ -194,3 +194,77 @@ async def test_env_reward_through_the_real_proxy(proxy_server, aenv_config):
         api_key=key,
     )
     assert reward in (0.0, 1.0)
+
+
+@pytest.mark.slow
+async def test_call_credit_reaches_the_turn_that_made_the_call(engine, proxy_server, aenv_config):
+    """A reward function's ``call_rewards`` are paid to the completions that made the calls:
+    through the real proxy, the real environment and a real model, the episode's one training
+    row (``concat``) carries a higher return on the call's tokens than on the answer's, the row's
+    reward is its first turn's, and the trainer's batch holds each token's return. A held-out
+    evaluation gets the episode's reward alone."""
+    from areal_env.api.config import RolloutConfig
+    from areal_env.workflow.batch import collate_groups
+    from tests.fixtures.proxy import open_session, proxy_executor
+
+    def credit_every_call(tool_calls):
+        return {"reward": 1.0, "call_rewards": [0.25] * len(tool_calls)}
+
+    agent = AenvAgent(
+        aenv_config,
+        max_turns=2,
+        max_tokens=24,
+        temperature=0.0,
+        first_turn_tool_choice="required",
+        reward_fn=credit_every_call,
+    )
+    rollout = RolloutConfig(n_samples=1, batch_size=1, export_style="concat")
+    ex = proxy_executor(engine, agent, rollout, proxy_server)
+    item = {"question": "What is 17 + 25?", "answer": 42}
+    try:
+        batch = await ex.rollout_batch([item], trainer_version=0)
+    finally:
+        await ex.aclose()
+    (group,) = batch.groups
+    (ep,) = group
+    assert isinstance(ep.reward, dict) and len(ep.reward) == 2, ep.reward  # the call, the answer
+    first, last = ep.reward.values()  # insertion order: the calls' completions, then the last
+    assert (first, last) in ((0.25, 1.0), (0.25, 1.25)), ep.reward  # the last may call too
+    (row,) = ep.rows
+    assert row.returns is not None
+    trained = [g for g, m in zip(row.returns, row.loss_mask, strict=True) if m]
+    assert trained[0] == pytest.approx(first + last)  # the call's turn: its credit + the rest
+    assert trained[-1] == pytest.approx(last)  # the answer's turn
+    assert row.reward == pytest.approx(first + last)
+    tensors = collate_groups(batch.groups)
+    mask = tensors["loss_mask"][0].bool()
+    assert tensors["token_rewards"][0][mask].tolist() == pytest.approx(trained)
+
+    # evaluation: the episode's reward, a float
+    _, key = open_session(proxy_server)
+    value = await agent.run(item, base_url=proxy_server.base_url + "/v1", api_key=key, is_eval=True)
+    assert value == 1.0
+
+
+def test_episode_reward_reads_call_rewards_and_says_what_is_wrong():
+    from areal_env.envs.episode import EpisodeOutcome, EpisodeReward, episode_reward
+
+    assert episode_reward(0.5, 2) == EpisodeReward(0.5)
+    assert episode_reward({"reward": 1, "call_rewards": [0.25, 0]}, 2) == EpisodeReward(
+        1.0, (0.25, 0.0)
+    )
+    with pytest.raises(ValueError, match="one number per tool call of the episode \\(2\\)"):
+        episode_reward({"reward": 1, "call_rewards": [0.25]}, 2)
+    with pytest.raises(ValueError, match="finite numbers"):
+        episode_reward({"reward": 1, "call_rewards": [float("nan")]}, 1)
+    # paid per completion: two calls of one completion add up; the answer gets the reward
+    outcome = EpisodeOutcome(
+        {},
+        "7",
+        [],
+        [{"completion_id": "c1"}, {"completion_id": "c1"}, {"completion_id": "c2"}],
+        ["c1", "c2", "c3"],
+    )
+    paid = EpisodeReward(1.0, (0.25, 0.25, 0.0)).per_completion(outcome)
+    assert paid == {"c1": 0.5, "c3": 1.0}
+    assert EpisodeReward(1.0).per_completion(outcome) == 1.0  # no credit: a float as before

@@ -322,7 +322,15 @@ def test_tree_export_properties(tree):
             path.append(parents[path[-1]])
         assert row["input_ids"] == leaf.prompt_ids + leaf.output_ids
         assert sum(row["loss_mask"]) == sum(n_outs[j] for j in path)
-        assert row["reward"] == pytest.approx(values[leaf.id])
+        # each turn on the row's own chain earns its own reward + 0.9 x the next turn's return
+        # (no sibling branch flows in); the row's reward is its first turn's return
+        turn_return = {i: values[leaf.id]}
+        for child, parent in zip(path, path[1:], strict=False):
+            turn_return[parent] = (rewards[parent] or 0) + 0.9 * turn_return[child]
+        assert row["reward"] == pytest.approx(turn_return[path[-1]])
+        expected_returns = [turn_return[j] for j in reversed(path) for _ in nodes[j].output_ids]
+        got_returns = row["returns"] or [row["reward"]] * len(row["input_ids"])
+        assert [got_returns[k] for k in masked_positions(row)] == pytest.approx(expected_returns)
         # every masked token carries its own interaction's output id, logprob and version
         masked = [k for k, m in enumerate(row["loss_mask"]) if m]
         expected_ids = [t for j in reversed(path) for t in nodes[j].output_ids]
@@ -336,6 +344,10 @@ def test_tree_export_properties(tree):
     batch = collate(rows_from_export(concat))
     assert batch["input_ids"].shape[0] == len(leaves)
     assert int(batch["loss_mask"].sum()) == sum(sum(r["loss_mask"]) for r in concat.values())
+
+
+def masked_positions(row):
+    return [k for k, m in enumerate(row["loss_mask"]) if m]
 
 
 def test_collate_dtypes_and_padding():

@@ -30,7 +30,9 @@ ITEMS = [
     {"task_id": "t2", "question": "What is 8 + 5? Use the add tool.", "answer": 13},
     {"task_id": "t3", "question": "What is 21 + 9? Use the add tool.", "answer": 30},
 ]
-ENV_REWARDS = {0.0, 0.1, 0.5, 1.0}  # the grades examples/aenv/env_tools.py:reward gives
+# what examples/aenv/env_tools.py:reward pays a completion: 1.0 for a right answer, 0.25 for
+# each right call it made (CALL_CREDIT), summed
+CALL_CREDIT = 0.25
 
 
 @pytest.mark.slow
@@ -120,6 +122,15 @@ def test_launch_aenv_agent_two_ranks_two_servers(tmp_path):
         for x in f.read_text().splitlines()
     ]
     assert {x["step"] for x in lines} == {1, 2}
-    rewards = {x["episode_reward"] for x in lines if x["accepted"]}
-    assert rewards and rewards <= ENV_REWARDS, rewards
+    paid = [
+        v
+        for x in lines
+        if x["accepted"]
+        for v in (
+            x["episode_reward"].values()
+            if isinstance(x["episode_reward"], dict)
+            else [x["episode_reward"]]
+        )
+    ]
+    assert paid and all((v / CALL_CREDIT).is_integer() and 0 <= v <= 1.75 for v in paid), paid
     assert len(list((run_dir / "checkpoints" / "step_2" / "state").glob("*.distcp"))) == 2

@@ -92,3 +92,33 @@ def test_groups_without_signal_get_zero_advantage_even_when_their_rows_differ():
     assert adv[7:].tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-5)
     assert st.zero_variance_groups == 2
     assert float(adv.abs().max()) < 1.0
+
+
+def test_per_turn_returns_centre_each_token_by_its_own_turn():
+    """Per-turn credit in one row: the group statistics come from the trajectories' scores (a
+    row's reward: its first turn's return), each token is centred with its own turn's return."""
+    # traj 0: a right call (credit .25) then a wrong answer: call tokens .25, answer tokens 0
+    # traj 1: a wrong call then a wrong answer: 0 everywhere
+    # traj 2: a right call and a right answer: call tokens 1.25, answer tokens 1
+    rewards = _t([0.25, 0.0, 1.25])
+    token_rewards = _t([[0.25, 0.25, 0.0, 0.0], [0, 0, 0, 0], [1.25, 1.25, 1.0, 1.0]])
+    gids = _t([0, 0, 0], torch.int64)
+    adv, st = group_advantages(rewards, gids, None, eps=0.0, token_rewards=token_rewards)
+    assert adv.shape == (3, 4)
+    mean, std = 0.5, float(rewards.std(unbiased=True))
+    assert adv[0].tolist() == pytest.approx([(0.25 - mean) / std] * 2 + [-mean / std] * 2)
+    assert adv[2].tolist() == pytest.approx([(1.25 - mean) / std] * 2 + [0.5 / std] * 2)
+    # the right call of a failed episode is pushed less than the wrong call, its answer as much
+    assert adv[0, 0] > adv[1, 0] and adv[0, 2] == pytest.approx(adv[1, 2])
+    assert st.zero_variance_groups == 0
+    # every token carrying its row's reward gives the row-level advantages exactly
+    flat = rewards.view(-1, 1).expand(3, 4)
+    per_token, _ = group_advantages(rewards, gids, None, token_rewards=flat)
+    per_row, _ = group_advantages(rewards, gids, None)
+    assert torch.equal(per_token, per_row.view(-1, 1).expand(3, 4))
+    # without group normalisation the returns themselves (the demo's batch-normalised path)
+    raw, _ = group_advantages(rewards, gids, None, mean_norm=False, token_rewards=token_rewards)
+    assert torch.equal(raw, token_rewards)
+    mask = _t([[1, 1, 1, 1]] * 3, torch.int32)
+    normed = token_advantages(raw, mask, batch_norm=True)
+    assert normed[0, 0] > normed[1, 0] and normed[2, 2] > normed[0, 2]

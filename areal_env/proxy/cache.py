@@ -436,7 +436,7 @@ class InteractionCache:
         with self._lock:
             items = list(self._items.values())
             if style == "individual":
-                return {it.id: self._row(it, [], rewards[it.id]) for it in items}
+                return {it.id: self._row(it, [], rewards[it.id], discount) for it in items}
             continued = {
                 ancestor
                 for it in items
@@ -454,7 +454,7 @@ class InteractionCache:
         it: Interaction,
         spans: list[tuple[int, int, str]],
         reward: float,
-        discount: float = 1.0,
+        discount: float,
     ) -> dict[str, Any]:
         n_prompt, n_out = len(it.prompt_ids), len(it.output_ids)
         loss_mask = [0] * n_prompt + _trained(it)

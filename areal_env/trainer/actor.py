@@ -416,17 +416,20 @@ class PPOActor:
             batch["rewards"], scaling=a.reward_scaling, bias=a.reward_bias, clip=a.reward_clip
         )
         token_rewards = batch.get("token_rewards")
-        if isinstance(token_rewards, torch.Tensor):
-            token_rewards = shape_rewards(
+        token_rewards = (
+            shape_rewards(
                 token_rewards, scaling=a.reward_scaling, bias=a.reward_bias, clip=a.reward_clip
             )
+            if isinstance(token_rewards, torch.Tensor)
+            else None
+        )
         centred, astats = group_advantages(
             rewards,
             batch.get("group_ids"),
             batch.get("traj_ids"),
             mean_norm=a.group_adv_norm,
             std_norm=a.group_std_norm,
-            token_rewards=token_rewards if isinstance(token_rewards, torch.Tensor) else None,
+            token_rewards=token_rewards,
         )
         adv = token_advantages(centred, mask, batch_norm=a.batch_adv_norm)
         explored = batch.get("explored")

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_env.http.client import default_ssl_context
+
 logger = logging.getLogger(__name__)
 
 REFUSED_STATUS = frozenset({502, 503, 504})
@@ -243,6 +245,7 @@ class McpSession:
             headers=dict(target.headers),
             timeout=httpx2.Timeout(self.timeout, read=max(self.timeout, 300.0)),
             event_hooks={"response": [on_response]},
+            verify=default_ssl_context(),
         )
         await stack.enter_async_context(http)
         return await stack.enter_async_context(streamable_http_client(target.url, http_client=http))

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from areal_env.http import routes
-from areal_env.http.client import response_error_message
+from areal_env.http.client import default_ssl_context, response_error_message
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ async def grant_capacity(
 ) -> None:
     """Allow ``n`` more sessions to start (admin)."""
     own = http_client is None
-    http = http_client or httpx.AsyncClient()
+    http = http_client or httpx.AsyncClient(verify=default_ssl_context())
     try:
         await _post(
             http, base_url.rstrip("/") + routes.GRANT_CAPACITY, admin_key, {"capacity": n}, 3
@@ -127,7 +127,7 @@ class OpenAIProxyClient:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient()
+            self._http = httpx.AsyncClient(verify=default_ssl_context())
         return self._http
 
     async def __aenter__(self) -> OpenAIProxyClient:

@@ -36,6 +36,7 @@ from areal_env.api.engine import InferenceEngine
 from areal_env.api.episode import Episode
 from areal_env.api.source import RolloutBatch
 from areal_env.api.workflow import RolloutWorkflow
+from areal_env.http.client import default_ssl_context
 from areal_env.workflow.batch import rollout_stats
 from areal_env.workflow.grouped import run_member
 
@@ -159,7 +160,7 @@ class RolloutExecutor:
         if self._grant_client is None or self._grant_client.is_closed:
             import httpx
 
-            self._grant_client = httpx.AsyncClient(timeout=60.0)
+            self._grant_client = httpx.AsyncClient(timeout=60.0, verify=default_ssl_context())
         try:
             await grant_capacity(
                 self.proxy_base_url,

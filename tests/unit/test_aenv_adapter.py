@@ -270,3 +270,32 @@ def test_retry_classification():
             raise RuntimeError("Failed to talk") from inner
     except RuntimeError as outer:
         assert is_retry_safe(outer)
+
+
+async def test_episodes_share_one_ssl_context(aenv_config, monkeypatch):
+    """Opening an episode's clients (the adapter's and its MCP session's) loads no CA bundle:
+    httpx would load one per client (about 50 ms of CPU on the event loop each), the package
+    passes its one context; and that context still verifies certificates and host names."""
+    import ssl
+
+    from areal_env.http.client import default_ssl_context
+
+    shared = default_ssl_context()
+    assert shared is default_ssl_context()
+    assert shared.verify_mode == ssl.CERT_REQUIRED and shared.check_hostname
+
+    loads = []
+    real_load = ssl.SSLContext.load_verify_locations
+
+    def counting_load(self, *args, **kwargs):
+        loads.append(args or kwargs)
+        return real_load(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counting_load)
+    for _ in range(3):
+        async with AenvEnvironmentAdapter(aenv_config) as env:
+            assert (await env.call_tool("add", {"a": 2, "b": 3})).text == "5"
+    assert loads == []
+    async with httpx.AsyncClient():  # the control: a default httpx client does load one
+        pass
+    assert len(loads) == 1

@@ -45,6 +45,7 @@ from areal_env.envs.base import (
     EnvUnavailableError,
 )
 from areal_env.envs.mcp_session import HttpTarget, McpSession, SessionDead
+from areal_env.http.client import default_ssl_context
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,9 @@ class AenvEnvironmentAdapter(McpAdapterBase):
         if self._initialized:
             return
         cfg = self.config
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(min(5.0, cfg.timeout)))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(min(5.0, cfg.timeout)), verify=default_ssl_context()
+        )
         try:
             async with asyncio.timeout(cfg.startup_timeout):
                 if cfg.mode == "scheduler":

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from areal_env.http.client import default_ssl_context
+
 CONTROL_PORT = 8080
 DATA_PORT = 8081
 
@@ -77,7 +79,10 @@ class ControlPlaneClient:
             headers["Authorization"] = f"Bearer {api_key}"
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout)
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout),
+            verify=default_ssl_context(),
         )
 
     async def aclose(self) -> None:

@@ -212,20 +212,20 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             or not math.isfinite(reward)
         ):
             raise bad_request("'reward' must be a finite number", "reward")
-        iid = body.get("completion_id", body.get("interaction_id"))
+        iid = body.get("completion_id")
         if iid is not None and not isinstance(iid, str):
-            raise bad_request("'interaction_id' must be a string", "interaction_id")
+            raise bad_request("'completion_id' must be a string", "completion_id")
         try:
             rid = session.cache.set_reward(float(reward), iid)
         except KeyError:
             if iid is None:
                 raise HTTPError(404, "this session has no completion to reward yet") from None
             raise HTTPError(
-                404, f"unknown interaction {iid!r} in this session", param="interaction_id"
+                404, f"unknown completion {iid!r} in this session", param="completion_id"
             ) from None
         except ValueError as e:
             raise bad_request(str(e), "reward") from None
-        return json_response({"interaction_id": rid, "reward": session.cache.get(rid).reward})
+        return json_response({"completion_id": rid, "reward": session.cache.get(rid).reward})
 
     @app.post(routes.END_SESSION)
     async def end_session(request: Request) -> Response:

@@ -110,7 +110,7 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
         sess = await gw.book.active_session(user, gw.book.session_id_of(request, in_key, body))
         reward = _reward(body.get("reward"), "reward", required=True)
         assert reward is not None  # required=True refuses a missing reward
-        completion_id = body.get("completion_id") or body.get("interaction_id")
+        completion_id = body.get("completion_id")
         return await gw.set_reward(sess, reward, completion_id)
 
     @app.post(routes.SERVICE_FINALIZE)

@@ -18,9 +18,6 @@ import torch
 from areal_env.api.episode import Episode
 from areal_env.api.rows import TrainingRow, rows_from_export
 
-#: Keys whose values are per-row scalars ``[B]`` rather than per-token ``[B, L]``.
-ROW_KEYS = ("rewards", "group_ids", "traj_ids", "explored")
-
 
 def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
     """A right-padded batch: ``input_ids`` int64 [B, L], ``attention_mask`` bool, ``loss_mask``

@@ -194,7 +194,7 @@ async def test_64_concurrent_sessions_are_isolated(proxy_server):
             )
             ok = await http.post(
                 "/rl/set_reward",
-                json={"interaction_id": r2.id, "reward": float(i)},
+                json={"completion_id": r2.id, "reward": float(i)},
                 headers={"Authorization": f"Bearer {s['api_key']}"},
             )
             assert ok.status_code == 200
@@ -207,7 +207,7 @@ async def test_64_concurrent_sessions_are_isolated(proxy_server):
             other_ids = results[(i + 1) % 64][2]
             r = await http.post(
                 "/rl/set_reward",
-                json={"interaction_id": other_ids[0], "reward": 1.0},
+                json={"completion_id": other_ids[0], "reward": 1.0},
                 headers={"Authorization": f"Bearer {key}"},
             )
             assert r.status_code == 404

@@ -97,7 +97,7 @@ def test_sessions_cannot_reach_each_other(proxy):
         )
         assert r.status_code == 404
         r = c.post(
-            "/rl/set_reward", json={"interaction_id": a_id, "reward": 9.0}, headers=_auth(key_b, "")
+            "/rl/set_reward", json={"completion_id": a_id, "reward": 9.0}, headers=_auth(key_b, "")
         )
         assert r.status_code == 404
         r = c.post("/export_trajectories", json={"session_id": sid_a}, headers=_auth(key_b, ""))

@@ -212,6 +212,12 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             or not math.isfinite(reward)
         ):
             raise bad_request("'reward' must be a finite number", "reward")
+        unknown = sorted(set(body) - {"reward", "completion_id"})
+        if unknown:  # a misspelt id would otherwise reward the last completion instead
+            raise bad_request(
+                f"unknown field {unknown[0]!r}: set_reward takes 'reward' and 'completion_id'",
+                unknown[0],
+            )
         iid = body.get("completion_id")
         if iid is not None and not isinstance(iid, str):
             raise bad_request("'completion_id' must be a string", "completion_id")

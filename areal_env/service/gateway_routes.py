@@ -107,6 +107,13 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
     async def set_reward(request: Request) -> dict:
         user, in_key = await gw.book.authenticate(request)
         body = await _json_body(request)
+        unknown = sorted(set(body) - {"reward", "completion_id", "session_id"})
+        if unknown:  # a misspelt id would otherwise reward the last completion instead
+            raise ServiceError(
+                400,
+                f"unknown field {unknown[0]!r}: set_reward takes 'reward', 'completion_id' "
+                "and 'session_id'",
+            )
         sess = await gw.book.active_session(user, gw.book.session_id_of(request, in_key, body))
         reward = _reward(body.get("reward"), "reward", required=True)
         assert reward is not None  # required=True refuses a missing reward

@@ -306,7 +306,7 @@ def test_rl_endpoint_errors_and_isolation(http, proxy_server):
     # A cannot touch B's completion; B can
     _openai_error(
         http.post(
-            "/rl/set_reward", json={"interaction_id": b_id, "reward": 1.0}, headers=_auth(key_a)
+            "/rl/set_reward", json={"completion_id": b_id, "reward": 1.0}, headers=_auth(key_a)
         ),
         404,
     )
@@ -323,17 +323,23 @@ def test_rl_endpoint_errors_and_isolation(http, proxy_server):
         )
         _openai_error(r, 400)
     _openai_error(
-        http.post("/rl/set_reward", json={"interaction_id": 7, "reward": 1}, headers=_auth(key_b)),
+        http.post("/rl/set_reward", json={"completion_id": 7, "reward": 1}, headers=_auth(key_b)),
         400,
     )
-    ok = http.post(
-        "/rl/set_reward", json={"interaction_id": b_id, "reward": 0.5}, headers=_auth(key_b)
+    # an unknown field (the id's old name, say) is refused, not read as "the last completion"
+    unknown = http.post(
+        "/rl/set_reward", json={"interaction_id": b_id, "reward": 1}, headers=_auth(key_b)
     )
-    assert ok.status_code == 200 and ok.json() == {"interaction_id": b_id, "reward": 0.5}
+    _openai_error(unknown, 400)
+    assert "interaction_id" in unknown.text and "completion_id" in unknown.text
+    ok = http.post(
+        "/rl/set_reward", json={"completion_id": b_id, "reward": 0.5}, headers=_auth(key_b)
+    )
+    assert ok.status_code == 200 and ok.json() == {"completion_id": b_id, "reward": 0.5}
     # no id = the last completion; setting replaces, so a retried call never counts twice
     for _ in range(3):
         ok = http.post("/rl/set_reward", json={"reward": 0.25}, headers=_auth(key_b))
-        assert ok.json() == {"interaction_id": b_id, "reward": 0.25}
+        assert ok.json() == {"completion_id": b_id, "reward": 0.25}
     # export validation
     admin = _auth(proxy_server.admin_key)
     _openai_error(

@@ -48,6 +48,13 @@ async def test_auth_refuses_unauthenticated_and_cross_user_access(service_stack)
             r = await h.post(path, json=payload, headers=bearer(BOB, sid))
             assert r.status_code == 404, (path, r.text)
         assert (await h.get(f"/rl/v1/sessions/{sid}", headers=bearer(BOB))).status_code == 404
+        # An unknown field (the id's old name, say) is refused, not read as "the last one".
+        r = await h.post(
+            "/rl/v1/set_reward",
+            json={"interaction_id": cid, "reward": 1.0},
+            headers=bearer(ALICE, sid),
+        )
+        assert r.status_code == 400 and "interaction_id" in r.text, r.text
         # Bob's key with Alice's session id in the key form is refused as well.
         r = await h.post("/v1/chat/completions", json=body, headers=bearer(f"{BOB}:{sid}"))
         assert r.status_code == 404

@@ -13,8 +13,9 @@ import httpx
 @functools.cache
 def default_ssl_context() -> ssl.SSLContext:
     """httpx's default certificate verification (certifi's bundle, or ``SSL_CERT_FILE`` /
-    ``SSL_CERT_DIR`` as set when first called), built once per process: pass it as
-    ``verify=`` to every client the package opens.
+    ``SSL_CERT_DIR`` as set when first called), built once per process: every client the package
+    opens takes it as ``verify=``, except the SGLang client, which ignores the environment's
+    settings (``trust_env=False``) and is opened once per event loop.
 
     Why: httpx builds a new context for every client, even one that only talks plain HTTP, and
     loading the CA bundle costs about 50 ms of CPU (measured here). The code that opens a client

@@ -25,6 +25,7 @@ from starlette.background import BackgroundTask
 
 from areal_env.http import routes
 from areal_env.http.body import read_body
+from areal_env.http.client import default_ssl_context
 from areal_env.service.auth import UserKey
 from areal_env.service.backends import Backend
 from areal_env.service.sessions import GatewaySession, ServiceError, SessionBook
@@ -141,6 +142,7 @@ class Forwarder:
                     connect=5.0, read=self.book.config.request_timeout, write=60.0, pool=None
                 ),
                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+                verify=default_ssl_context(),
             )
         return self._http
 

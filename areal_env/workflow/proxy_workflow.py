@@ -36,6 +36,7 @@ from areal_env.api.engine import InferenceEngine
 from areal_env.api.episode import Episode
 from areal_env.api.rows import TrainingRow, rows_from_export
 from areal_env.api.workflow import RolloutWorkflow
+from areal_env.http.client import default_ssl_context
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             client = _SharedAsyncClient(
                 timeout=httpx.Timeout(self.rollout.episode_timeout, connect=30.0),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                verify=default_ssl_context(),
             )
             self._clients[id(loop)] = (loop, client)
         return client

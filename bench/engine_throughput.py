@@ -13,6 +13,12 @@ result). The same engine runs it with the prefix cache off and on (emptied befor
 alternating, ``--prefix-repeats`` times); ``prefix_cache_speedup`` = rollout wall time without /
 with (median), and ``rollout_tok_s_off`` / ``rollout_tok_s_on`` the output tokens per second.
 
+The shared-prefix case (``--case shared``) runs the same agent traffic with the prefix cache on,
+the system prompt held once for all running rows (``engine.share_prefixes``, on) and a copy of
+it in every row (off), alternating, ``--prefix-repeats`` times each; ``shared_prefix_speedup`` =
+rollout wall time off / on (median). Greedy outputs are compared between the two sides: they
+must agree (``shared_prefix_same_outputs``).
+
 The last line of output is one JSON object, e.g.
 ``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, "prefix_cache_speedup": 2.6, ...}``.
 """
@@ -147,26 +153,33 @@ def agent_prompts(tokenizer, system_tokens: int, problems: int, samples: int) ->
     return out
 
 
-async def agent_rollout(engine: LocalEngine, prompts, new_tokens: int, tool_ids) -> int:
-    """Two turns per episode, all episodes concurrent; returns output tokens."""
-    g = dict(max_new_tokens=new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+async def agent_rollout(
+    engine: LocalEngine, prompts, new_tokens: int, tool_ids, greedy: bool = False
+) -> list[list[int]]:
+    """Two turns per episode, all episodes concurrent; returns each episode's output tokens."""
+    g: dict = dict(max_new_tokens=new_tokens, ignore_eos=True)
+    g.update(greedy=True) if greedy else g.update(temperature=1.0, top_k=0, top_p=1.0)
 
-    async def episode(i: int, prompt: list[int]) -> int:
+    async def episode(i: int, prompt: list[int]) -> list[int]:
         r1 = await engine.agenerate(ModelRequest(prompt, GenerationConfig(seed=i, **g)))
         turn2 = prompt + r1.output_tokens + tool_ids
         r2 = await engine.agenerate(ModelRequest(turn2, GenerationConfig(seed=1000 + i, **g)))
-        return len(r1.output_tokens) + len(r2.output_tokens)
+        return r1.output_tokens + r2.output_tokens
 
-    return sum(await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts))))
+    return list(await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts))))
+
+
+def tool_result_ids(tok) -> list[int]:
+    return tok(
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )["input_ids"]
 
 
 def prefix_case(engine: LocalEngine, args) -> dict[str, float]:
     tok = engine.tokenizer
     prompts = agent_prompts(tok, args.system_tokens, 4, 8)
-    tool_ids = tok(
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )["input_ids"]
+    tool_ids = tool_result_ids(tok)
     print(
         f"prefix case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
         f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
@@ -179,7 +192,8 @@ def prefix_case(engine: LocalEngine, args) -> dict[str, float]:
             engine.set_prefix_cache_mb(args.prefix_cache_mb if side == "on" else 0)
             before = engine.stats()
             t0 = time.perf_counter()
-            tokens = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
+            outs = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
+            tokens = sum(map(len, outs))
             wall = time.perf_counter() - t0
             after = engine.stats()
             walls[side].append(wall)
@@ -199,6 +213,53 @@ def prefix_case(engine: LocalEngine, args) -> dict[str, float]:
     }
 
 
+def shared_prefix_case(engine: LocalEngine, args) -> dict[str, float | bool]:
+    """The demo's traffic (8 problems x 4 samples, two turns) with the system prompt held once
+    for the batch (on) or copied into every row (off); the prefix cache is on for both."""
+    tok = engine.tokenizer
+    prompts = agent_prompts(tok, args.system_tokens, 8, 4)
+    tool_ids = tool_result_ids(tok)
+    engine.set_prefix_cache_mb(args.prefix_cache_mb)
+    print(
+        f"shared-prefix case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
+        f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
+        flush=True,
+    )
+    greedy: dict[str, list[list[int]]] = {}
+    for side in ("off", "on"):  # also warms both paths up
+        engine.worker.share_prefixes = side == "on"
+        greedy[side] = asyncio.run(
+            agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids, greedy=True)
+        )
+    walls: dict[str, list[float]] = {"off": [], "on": []}
+    tokens = 0
+    for rep in range(args.prefix_repeats):
+        for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            engine.worker.share_prefixes = side == "on"
+            before = engine.stats()
+            t0 = time.perf_counter()
+            outs = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
+            wall = time.perf_counter() - t0
+            tokens = sum(map(len, outs))
+            after = engine.stats()
+            walls[side].append(wall)
+            shared = after["shared_prefix_steps"] - before["shared_prefix_steps"]
+            steps = after["decode_steps"] - before["decode_steps"]
+            print(
+                f"rep {rep} shared {side:3s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), "
+                f"{int(shared)} of {int(steps)} decode steps read the prefix once",
+                flush=True,
+            )
+    engine.worker.share_prefixes = True
+    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
+    return {
+        "shared_prefix_speedup": round(off / on, 2),
+        "shared_tok_s_off": round(tokens / off, 1),
+        "shared_tok_s_on": round(tokens / on, 1),
+        "shared_prefix_same_outputs": greedy["on"] == greedy["off"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
@@ -211,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time only this many one-by-one requests per size and scale up (default: all)",
     )
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 new tokens, 4 baseline")
-    ap.add_argument("--case", choices=["batching", "prefix", "all"], default="all")
+    ap.add_argument("--case", choices=["batching", "prefix", "shared", "all"], default="all")
     ap.add_argument(
         "--system-tokens",
         type=int,
@@ -249,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, float] = {}
         if args.case in ("prefix", "all"):
             result.update(prefix_case(engine, args))
+        if args.case in ("shared", "all"):
+            result.update(shared_prefix_case(engine, args))
         done_baseline: list[float] = []
-        for n in (8, 32) if args.case != "prefix" else ():
+        for n in (8, 32) if args.case in ("batching", "all") else ():
             load = os.getloadavg()[0]
             t_engine = asyncio.run(engine_run(engine, prompts[:n], args.new_tokens))
             todo = prompts[len(done_baseline) : n]

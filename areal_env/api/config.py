@@ -142,6 +142,10 @@ class EngineConfig:
     prefix_cache_mb: float = 256
     """Local engine: memory (MiB) for the KV of shared prompt prefixes reused across requests
     (radix cache, LRU-evicted, cleared on weight updates); 0 = off."""
+    share_prefixes: bool = True
+    """Local engine: hold the prompt prefix that all running sequences start with (an agent's
+    system prompt and tool schemas) once, so a decode step reads its keys/values once instead of
+    once per sequence (models with plain sdpa attention; others keep a copy per sequence)."""
     request_timeout: float = 3600.0
     """Seconds one generation request may take."""
     max_retries: int = 3

@@ -6,7 +6,9 @@ counters. Its thread is the only one that runs the model; other threads hand it 
 (``submit``), flags (``abort``, ``cancel``) or hold it between two steps (``pause``,
 ``at_step_boundary``, used by weight updates). Each step admits pending requests (prefilled in
 groups of similar length, reusing cached prefixes), decodes one token for every running row, and
-retires finished rows at the step boundary, shrinking the batch's KV with them.
+retires finished rows at the step boundary, shrinking the batch's KV with them. A prompt prefix
+that all running rows start with is held once (``shared_prefix``): each decode step reads it once
+instead of once per row.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from areal_env.engine.kv_cache import SPARE_COLUMNS, BatchKV
 from areal_env.engine.prefix_cache import PrefixCache
 from areal_env.engine.request_state import RequestState, allowed_tokens, length_groups
 from areal_env.engine.sampler import sample_rows_top
+from areal_env.engine.shared_prefix import MIN_SHARED_TOKENS, enable_shared_prefix_attention
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +56,14 @@ def cache_keyword(model: Any) -> str:
 class BatchWorker:
     """The decode loop of ``LocalEngine`` and the state it owns (see the module docstring)."""
 
-    def __init__(self, *, max_batch_size: int, num_threads: int | None) -> None:
+    def __init__(
+        self, *, max_batch_size: int, num_threads: int | None, share_prefixes: bool = True
+    ) -> None:
         self.max_batch_size = max_batch_size
         self.num_threads = num_threads
+        self.share_prefixes = share_prefixes
+        """Hold the prefix all running rows share once (where the model's attention allows:
+        ``shared_prefix.supports_shared_prefix``); set at ``start``."""
         self.model: Any = None
         self.tokenizer: Any = None
         self.device = torch.device("cpu")
@@ -77,6 +85,8 @@ class BatchWorker:
             "max_batch_size_seen": 0,
             "weight_updates": 0,
             "prefix_cache_hit_tokens": 0,
+            "shared_prefix_steps": 0,
+            "shared_prefix_row_tokens": 0,
         }
         self._cache_keyword = "past_key_values"
         self._cv = threading.Condition()
@@ -108,6 +118,7 @@ class BatchWorker:
             self.model, self.tokenizer, self.device = model, tokenizer, device
             self.prefix_cache = cache
             self._cache_keyword = cache_keyword(model)
+            self.share_prefixes = self.share_prefixes and enable_shared_prefix_attention(model)
             self._alive, self._stopping = True, False
             self._thread = threading.Thread(
                 target=self._loop, name="LocalEngine-worker", daemon=True
@@ -255,6 +266,15 @@ class BatchWorker:
             self.adapters.select([r.adapter for r in rows], self.device)
         return self.model(**kwargs, **{self._cache_keyword: cache})
 
+    def _shared_prefix_args(self, kv: BatchKV) -> dict[str, Any]:
+        """The forward keyword that hands the attention the batch's shared prefix (none when
+        the rows hold all their columns)."""
+        if kv.shared is None:
+            return {}
+        self.counters["shared_prefix_steps"] += 1
+        self.counters["shared_prefix_row_tokens"] += kv.shared.length * kv.rows
+        return {"shared_prefix": kv.shared}
+
     def _log_progress(self) -> None:
         now = time.perf_counter()
         s = self.counters
@@ -347,6 +367,7 @@ class BatchWorker:
             attention_mask=mask,
             position_ids=self._positions[:, None],
             use_cache=True,
+            **self._shared_prefix_args(kv),
         )
         kv.advance(1)
         self._positions += 1
@@ -541,6 +562,9 @@ class BatchWorker:
             new_kv, mask = new_kv.index_select(2, idx), mask.index_select(0, idx)
         new_tokens = torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.device)
         new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
+        joining = [admit[i] for i in keep]
+        if self._kv is not None and self._kv.shared is not None:
+            new_kv, mask = self._join_shared_prefix(self._kv, joining, new_kv, mask)
         self._kv = BatchKV.merge(self._kv, new_kv, mask, max_rows=self.max_batch_size)
         if self._running:
             assert self._next_tokens is not None and self._positions is not None
@@ -548,8 +572,40 @@ class BatchWorker:
             self._positions = torch.cat([self._positions, new_pos])
         else:
             self._next_tokens, self._positions = new_tokens, new_pos
-        self._running.extend(admit[i] for i in keep)
+        self._running.extend(joining)
+        if self.share_prefixes and self._kv.shared is None:
+            self._share_common_prefix(self._kv)
         logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
+
+    def _join_shared_prefix(
+        self, kv: BatchKV, joining: list[RequestState], new_kv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fit rows about to join into a batch that holds a prefix once: the batch keeps
+        sharing as much of it as every joining row starts with (the rest goes back into its
+        rows, or all of it when that is under ``MIN_SHARED_TOKENS``), and the joining rows
+        drop the part that stays shared."""
+        shared = kv.shared
+        assert shared is not None
+        keep = shared.length
+        for r in joining:
+            keep = _shared_len(shared.key, r.prompt_key, min(keep, len(r.prompt_key) - 1))
+        if keep < MIN_SHARED_TOKENS:
+            keep = 0
+        kv.unshare_to(keep)
+        return BatchKV.strip_prefix(new_kv, mask, keep) if keep else (new_kv, mask)
+
+    def _share_common_prefix(self, kv: BatchKV) -> None:
+        """Hold the prefix that all running rows start with once, if it is long enough (each
+        row keeps at least its last prompt token)."""
+        if len(self._running) < 2:
+            return
+        ref = self._running[0].prompt_key
+        n = len(ref) - 1
+        for r in self._running[1:]:
+            n = _shared_len(ref, r.prompt_key, min(n, len(r.prompt_key) - 1))
+            if n < MIN_SHARED_TOKENS:
+                return
+        kv.share(ref[:n])
 
     def _start_masks(self, rows: list[RequestState]) -> tuple[list[int], Future[Any]] | None:
         """Start computing the grammar masks of ``rows`` that have a grammar (None: none has)."""
@@ -670,6 +726,7 @@ class BatchWorker:
         kv = self._kv
         assert kv is not None
         s, e = kv.start, kv.start + kv.length
+        shared = kv.shared.length if kv.shared is not None else 0
         for i in rows:
             r = self._running[i]
             if r.reason not in ("stop", "length") or r.kv_epoch != self.prefix_cache.epoch:
@@ -679,10 +736,13 @@ class BatchWorker:
             if have >= len(ids) or len(ids) < _MIN_PREFIX:
                 continue
             cols = kv.mask_buf[i, s:e].nonzero().squeeze(1)
-            if cols.numel() != len(ids):  # not this row's layout: leave the cache alone
+            if cols.numel() + shared != len(ids):  # not this row's layout: leave the cache alone
                 logger.debug("row %d holds %d columns for %d tokens", i, cols.numel(), len(ids))
                 continue
-            tail = kv.buf[:, :, i, :, s:e].index_select(3, cols[have:])
+            tail = kv.buf[:, :, i, :, s:e].index_select(3, cols[max(have - shared, 0) :])
+            if have < shared:  # the cache lost part of the shared prefix: put it back too
+                assert kv.shared is not None
+                tail = torch.cat([kv.shared.kv[:, :, :, have:], tail], dim=3)
             self.prefix_cache.insert(ids, tail, start=have)
 
     def _send_chunk(self, r: RequestState) -> None:
@@ -735,3 +795,19 @@ class BatchWorker:
             r.sent = n
         else:
             r.deliver(resp)
+
+
+def _shared_len(a: list[int], b: list[int], upto: int) -> int:
+    """How many of the first ``upto`` tokens ``a`` and ``b`` share (slice comparisons, which
+    run in C: the rows' prompts are hundreds of tokens)."""
+    upto = max(0, min(upto, len(a), len(b)))
+    if a[:upto] == b[:upto]:
+        return upto
+    lo, hi = 0, upto  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -18,6 +18,13 @@ moved rows are copied) and leading columns that became all padding are skipped b
 Storage is allocated uninitialised (untouched pages cost no memory, so spare rows are free until
 used). Every column that enters a row's live window is written (prompt, decoded token) or zeroed
 (padding) first, so masked columns hold finite values and attention gives them weight exactly 0.
+
+A prompt prefix that every row starts with can be held once (``shared``, a
+``shared_prefix.SharedPrefix``): the rows then keep only their columns after it, and a decode
+step reads the prefix once instead of once per row. ``share`` moves a running batch to a shared
+prefix without copying the rows (their prefix columns are masked out and skipped), ``unshare_to``
+gives the rows back the part of it that a joining row does not share, and ``strip_prefix`` takes
+the prefix off freshly prefilled rows before they join.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import weakref
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from areal_env.engine.shared_prefix import SharedPrefix
 
 SPARE_COLUMNS = 64  # extra columns reserved whenever the buffer is (re)allocated
 
@@ -92,6 +101,8 @@ class BatchKV:
         self.rows = buf.shape[2] if rows is None else rows
         self.start = start
         self.length = length
+        self.shared: SharedPrefix | None = None
+        """The prefix every row starts with, held once (the rows' columns follow it)."""
         self.cache = Cache(layers=[_BufferLayer(self, i) for i in range(buf.shape[0])])
 
     # ---- construction -------------------------------------------------------------------
@@ -190,6 +201,7 @@ class BatchKV:
             M = max(old.length, T)
             head = _headroom(M)
             kv = cls(old.storage, old.mask_storage, old.start, old.length, old.rows)
+            kv.shared = old.shared
             kv._reallocate(row_cap, head + M + SPARE_COLUMNS, head + M - old.length)
             end = head + M
         if T > kv.length:  # the old rows gain padding columns on the left: zeroed, masked
@@ -229,6 +241,57 @@ class BatchKV:
             live.index_copy_(2, dst, live.index_select(2, src))
             self.mask_storage.index_copy_(0, dst, self.mask_storage.index_select(0, src))
         self.rows = len(keep)
+        self._skip_padding()
+
+    # ---- a prefix held once ------------------------------------------------------------
+    def share(self, key: list[int]) -> None:
+        """Hold the first ``len(key)`` tokens of every row once: every live row must start
+        with them (the caller compares the rows' keys). Nothing is copied but the prefix itself:
+        each row's first ``len(key)`` real columns are masked out, and leading columns that are
+        now padding in every row are skipped."""
+        n = len(key)
+        if self.shared is not None:
+            raise RuntimeError("the batch already holds a shared prefix: unshare_to(0) first")
+        live = self.mask
+        real = live.cumsum(1)
+        if bool((real[:, -1] <= n).any()):
+            raise ValueError(f"a row holds no more than the {n} tokens it would share")
+        cols = live[0].nonzero().squeeze(1)[:n] + self.start  # row 0's prefix columns
+        self.shared = SharedPrefix(key, self.buf[:, :, 0].index_select(3, cols))
+        live &= real > n
+        self._skip_padding()
+
+    def unshare_to(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of the shared prefix shared; the rest of it goes
+        back into every row, in front of the row's own columns (order does not matter to
+        attention: the keys carry their positions)."""
+        shared = self.shared
+        if shared is None or n >= shared.length:
+            return
+        back = shared.length - n
+        if self.start < back:
+            head = back + _headroom(self.length)
+            self._reallocate(self.row_capacity, head + self.length + SPARE_COLUMNS, head)
+        s = self.start - back
+        self.buf[:, :, :, :, s : self.start] = shared.kv[:, :, None, :, n:]
+        self.mask_buf[:, s : self.start] = True
+        self.start, self.length = s, self.length + back
+        self.shared = shared.truncated(n) if n > 0 else None
+
+    @staticmethod
+    def strip_prefix(
+        new_kv: torch.Tensor, new_mask: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Freshly prefilled rows (``[L,2,rows,H,T,D]``, mask ``[rows,T]``) without their first
+        ``n`` real columns (a prefix the batch holds once): masked out, and the leading columns
+        that are padding in every row dropped (a view of ``new_kv``)."""
+        mask = new_mask & (new_mask.cumsum(1) > n)
+        real_cols = mask.any(0).nonzero()
+        skip = int(real_cols[0]) if real_cols.numel() else mask.shape[1]
+        return new_kv[:, :, :, :, skip:], mask[:, skip:]
+
+    def _skip_padding(self) -> None:
+        """Move ``start`` past the leading columns that are padding in every live row."""
         real_cols = self.mask.any(0).nonzero()
         skip = int(real_cols[0]) if real_cols.numel() else self.length
         self.start += skip

@@ -68,6 +68,7 @@ class LocalEngine:
         max_context_len: int | None = None,
         num_threads: int | None = None,
         prefix_cache_mb: float = 256,
+        share_prefixes: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -81,7 +82,9 @@ class LocalEngine:
         self.max_context_len: int = max_context_len or 0
         self.eos_token_ids: list[int] = []
         self.vocab_size = 0
-        self.worker = BatchWorker(max_batch_size=max_batch_size, num_threads=num_threads)
+        self.worker = BatchWorker(
+            max_batch_size=max_batch_size, num_threads=num_threads, share_prefixes=share_prefixes
+        )
         self.weights = WeightUpdater(self.worker)
         self.grammars: GrammarCompiler | None = None
         """Compiles ``GenerationConfig.constraint`` (made with the tokenizer)."""
@@ -124,6 +127,7 @@ class LocalEngine:
             max_context_len=model.max_context_len,
             num_threads=model.num_threads,
             prefix_cache_mb=engine.prefix_cache_mb,
+            share_prefixes=engine.share_prefixes,
         )
 
     def initialize(self) -> None:

@@ -284,14 +284,16 @@ class BatchWorker:
         if now - self._log_at < _LOG_EVERY_S:
             return
         tokens = s["tokens_generated"] - self._log_tokens
+        shared = self._kv.shared if self._kv is not None else None
         if tokens:
             logger.info(
-                "generating: %.1f tok/s over %.0fs, batch %d, queued %d, version %d",
+                "generating: %.1f tok/s over %.0fs, batch %d, queued %d, version %d%s",
                 tokens / (now - self._log_at),
                 now - self._log_at,
                 len(self._running),
                 len(self._pending),
                 self.version,
+                f", {shared.length}-token prefix held once" if shared is not None else "",
             )
         self._log_at, self._log_tokens = now, s["tokens_generated"]
 
@@ -583,10 +585,13 @@ class BatchWorker:
         """Fit rows about to join into a batch that holds a prefix once: the batch keeps
         sharing as much of it as every joining row starts with (the rest goes back into its
         rows, or all of it when that is under ``MIN_SHARED_TOKENS``), and the joining rows
-        drop the part that stays shared."""
+        drop the part that stays shared. Rows prefilled under other weights than the prefix
+        (a weight update came in between) share none of it."""
         shared = kv.shared
         assert shared is not None
         keep = shared.length
+        if any(r.kv_epoch != shared.epoch for r in joining):
+            keep = 0
         for r in joining:
             keep = _shared_len(shared.key, r.prompt_key, min(keep, len(r.prompt_key) - 1))
         if keep < MIN_SHARED_TOKENS:
@@ -596,8 +601,12 @@ class BatchWorker:
 
     def _share_common_prefix(self, kv: BatchKV) -> None:
         """Hold the prefix that all running rows start with once, if it is long enough (each
-        row keeps at least its last prompt token)."""
+        row keeps at least its last prompt token) and they were all prefilled under the same
+        weights."""
         if len(self._running) < 2:
+            return
+        epoch = self._running[0].kv_epoch
+        if any(r.kv_epoch != epoch for r in self._running):
             return
         ref = self._running[0].prompt_key
         n = len(ref) - 1
@@ -605,7 +614,7 @@ class BatchWorker:
             n = _shared_len(ref, r.prompt_key, min(n, len(r.prompt_key) - 1))
             if n < MIN_SHARED_TOKENS:
                 return
-        kv.share(ref[:n])
+        kv.share(ref[:n], epoch)
 
     def _start_masks(self, rows: list[RequestState]) -> tuple[list[int], Future[Any]] | None:
         """Start computing the grammar masks of ``rows`` that have a grammar (None: none has)."""

@@ -244,9 +244,9 @@ class BatchKV:
         self._skip_padding()
 
     # ---- a prefix held once ------------------------------------------------------------
-    def share(self, key: list[int]) -> None:
+    def share(self, key: list[int], epoch: int = 0) -> None:
         """Hold the first ``len(key)`` tokens of every row once: every live row must start
-        with them (the caller compares the rows' keys). Nothing is copied but the prefix itself:
+        with them, computed under the same weights ``epoch`` (the caller checks). Nothing is copied but the prefix itself:
         each row's first ``len(key)`` real columns are masked out, and leading columns that are
         now padding in every row are skipped."""
         n = len(key)
@@ -257,7 +257,7 @@ class BatchKV:
         if bool((real[:, -1] <= n).any()):
             raise ValueError(f"a row holds no more than the {n} tokens it would share")
         cols = live[0].nonzero().squeeze(1)[:n] + self.start  # row 0's prefix columns
-        self.shared = SharedPrefix(key, self.buf[:, :, 0].index_select(3, cols))
+        self.shared = SharedPrefix(key, self.buf[:, :, 0].index_select(3, cols), epoch)
         live &= real > n
         self._skip_padding()
 

@@ -32,17 +32,20 @@ MIN_SHARED_TOKENS = 32
 
 class SharedPrefix:
     """The keys/values ``kv`` ``[layers, 2, kv_heads, P, head_dim]`` of the ``P`` tokens that
-    every row of a batch starts with, and their prefix-cache key (``RequestState.prompt_key``'s
-    first ``P`` entries: rows of different LoRA adapters never share a prefix).
+    every row of a batch starts with, their prefix-cache key (``RequestState.prompt_key``'s
+    first ``P`` entries: rows of different LoRA adapters never share a prefix) and the epoch of
+    the weights they were computed under (``PrefixCache.epoch``: a row prefilled after a weight
+    update must not attend to keys of the old weights).
 
     A plain class on purpose: it travels through the model's forward as a keyword argument to
     the attention function, untouched by anything that walks tensors in dataclasses."""
 
-    def __init__(self, key: list[int], kv: torch.Tensor) -> None:
+    def __init__(self, key: list[int], kv: torch.Tensor, epoch: int = 0) -> None:
         if kv.shape[3] != len(key):
             raise ValueError(f"a shared prefix of {len(key)} tokens holds {kv.shape[3]} columns")
         self.key = key
         self.kv = kv
+        self.epoch = epoch
 
     @property
     def length(self) -> int:
@@ -50,7 +53,7 @@ class SharedPrefix:
 
     def truncated(self, n: int) -> SharedPrefix:
         """The first ``n`` tokens of this prefix."""
-        return SharedPrefix(self.key[:n], self.kv[:, :, :, :n].contiguous())
+        return SharedPrefix(self.key[:n], self.kv[:, :, :, :n].contiguous(), self.epoch)
 
 
 def shared_prefix_attention(

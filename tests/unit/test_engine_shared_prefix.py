@@ -205,3 +205,37 @@ def test_engine_outputs_equal_those_with_a_copy_per_row(engines, tokenizer):
     before = shared.stats()["prefill_tokens"]
     _same(asyncio.run(_waves(shared, [turn2])), asyncio.run(_waves(copied, [turn2])))
     assert shared.stats()["prefill_tokens"] - before < sum(map(len, turn2)) // 4
+
+
+def test_rows_prefilled_after_a_weight_update_do_not_attend_to_the_old_prefix(engines, tokenizer):
+    """The shared prefix's keys belong to the weights it was computed under: rows that join
+    after an update must see their own (the rows running across the update keep theirs)."""
+    shared, copied = engines
+    running = [_prompt(tokenizer, SYSTEM, t) for t in ("What is 3 + 4?", "Add 8 and 9.")]
+    joining = [_prompt(tokenizer, SYSTEM, t) for t in ("Take 5 from 12.", "Compute 6 times 7.")]
+    state = {k: v.clone() for k, v in shared.model.state_dict().items()}
+    perturbed = {k: (v * 1.01 if "layers.0.mlp" in k else v) for k, v in state.items()}
+    versions = shared.get_version(), copied.get_version()
+
+    async def across_update():
+        g = GenerationConfig(max_new_tokens=48, greedy=True, ignore_eos=True)
+        first = [asyncio.ensure_future(shared.agenerate(ModelRequest(p, g))) for p in running]
+        start = shared.stats()["tokens_generated"]
+        while shared.stats()["tokens_generated"] < start + 12:
+            await asyncio.sleep(0.005)
+        steps = shared.stats()["shared_prefix_steps"]
+        await asyncio.to_thread(shared.update_weights, perturbed)
+        got = await _waves(shared, [joining])
+        await asyncio.gather(*first)
+        return got, steps
+
+    try:
+        got, shared_steps = asyncio.run(across_update())
+        assert shared_steps > 0  # the running rows did share their prefix before the update
+        copied.update_weights(perturbed)
+        _same(got, asyncio.run(_waves(copied, [joining])))
+    finally:
+        shared.update_weights(state)
+        copied.update_weights(state)
+        shared.set_version(versions[0])
+        copied.set_version(versions[1])

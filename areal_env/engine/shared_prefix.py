@@ -114,11 +114,48 @@ def supports_shared_prefix(model: torch.nn.Module) -> str | None:
     return None
 
 
+UNSUPPORTED_ARGUMENTS = ("sliding_window", "softcap", "s_aux", "position_bias")
+"""Attention arguments of some models that this function does not implement."""
+
+
+def transformers_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kw: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as :data:`SHARED_PREFIX_ATTN`: over
+    ``kw["shared_prefix"]`` (a :class:`SharedPrefix`) and the rows' own columns when given,
+    plain sdpa otherwise. A model that passes arguments this function does not implement
+    (``UNSUPPORTED_ARGUMENTS``) is refused with a way out, never answered wrong."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    shared: SharedPrefix | None = kw.pop("shared_prefix", None)
+    if shared is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
+        )
+    used = [name for name in UNSUPPORTED_ARGUMENTS if kw.get(name) is not None]
+    if used:
+        raise RuntimeError(
+            f"shared-prefix attention does not implement {', '.join(used)}, which this model "
+            "passes to its attention; set engine.share_prefixes: false"
+        )
+    layer = shared.kv[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = shared_prefix_attention(query, key, value, attention_mask, layer[0], layer[1], scale)
+    return out, None
+
+
 def enable_shared_prefix_attention(model: torch.nn.Module) -> bool:
-    """Register :data:`SHARED_PREFIX_ATTN` with transformers and switch ``model`` to it: a
-    forward with ``shared_prefix=SharedPrefix(...)`` attends over it, any other forward runs
-    plain sdpa. Returns False (and changes nothing) where :func:`supports_shared_prefix` says
-    why not."""
+    """Register :func:`transformers_attention` with transformers as :data:`SHARED_PREFIX_ATTN`
+    and switch ``model`` to it. Returns False (and changes nothing) where
+    :func:`supports_shared_prefix` says why not, or where the model refuses a custom attention
+    function."""
     why = supports_shared_prefix(model)
     if why is not None:
         logger.info("shared-prefix attention off: %s", why)
@@ -127,27 +164,17 @@ def enable_shared_prefix_attention(model: torch.nn.Module) -> bool:
     if cfg._attn_implementation == SHARED_PREFIX_ATTN:
         return True
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        shared: SharedPrefix | None = kw.pop("shared_prefix", None)
-        if shared is None:
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
-            )
-        layer = shared.kv[module.layer_idx]
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = shared_prefix_attention(
-            query, key, value, attention_mask, layer[0], layer[1], float(scale)
-        )
-        return out, None
-
-    AttentionInterface.register(SHARED_PREFIX_ATTN, attention)
+    AttentionInterface.register(SHARED_PREFIX_ATTN, transformers_attention)
     AttentionMaskInterface.register(SHARED_PREFIX_ATTN, sdpa_mask)
     setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(SHARED_PREFIX_ATTN)
-    else:
-        cfg._attn_implementation = SHARED_PREFIX_ATTN
+    try:
+        if setter is not None:
+            setter(SHARED_PREFIX_ATTN)
+        else:
+            cfg._attn_implementation = SHARED_PREFIX_ATTN
+    except (ValueError, TypeError, NotImplementedError) as e:  # no custom attention here
+        logger.info("shared-prefix attention off: %s", e)
+        return False
     return cfg._attn_implementation == SHARED_PREFIX_ATTN

@@ -239,3 +239,20 @@ def test_rows_prefilled_after_a_weight_update_do_not_attend_to_the_old_prefix(en
         copied.update_weights(state)
         shared.set_version(versions[0])
         copied.set_version(versions[1])
+
+
+def test_attention_arguments_it_does_not_implement_are_refused_not_ignored():
+    from areal_env.engine.shared_prefix import transformers_attention
+
+    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4)
+    prefix = SharedPrefix([1, 2], torch.randn(1, 2, 1, 2, 4))
+    layer = SimpleNamespace(layer_idx=0, num_key_value_groups=2, is_causal=True)
+    out, _ = transformers_attention(layer, q, k, k, None, scaling=0.5, shared_prefix=prefix)
+    assert out.shape == (1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="s_aux.*engine.share_prefixes: false"):
+        transformers_attention(
+            layer, q, k, k, None, scaling=0.5, shared_prefix=prefix, s_aux=torch.zeros(2)
+        )
+    # without a prefix it is plain sdpa, whatever the model passes
+    plain, _ = transformers_attention(layer, q, k, k, None, scaling=0.5)
+    assert plain.shape == (1, 1, 2, 4)

@@ -593,7 +593,8 @@ class BatchWorker:
         if any(r.kv_epoch != shared.epoch for r in joining):
             keep = 0
         for r in joining:
-            keep = _shared_len(shared.key, r.prompt_key, min(keep, len(r.prompt_key) - 1))
+            upto = min(keep, len(r.prompt_key) - 1)
+            keep = common_prefix_len(shared.key[:upto], r.prompt_key[:upto])
         if keep < MIN_SHARED_TOKENS:
             keep = 0
         kv.unshare_to(keep)
@@ -611,7 +612,8 @@ class BatchWorker:
         ref = self._running[0].prompt_key
         n = len(ref) - 1
         for r in self._running[1:]:
-            n = _shared_len(ref, r.prompt_key, min(n, len(r.prompt_key) - 1))
+            upto = min(n, len(r.prompt_key) - 1)
+            n = common_prefix_len(ref[:upto], r.prompt_key[:upto])
             if n < MIN_SHARED_TOKENS:
                 return
         kv.share(ref[:n], epoch)
@@ -804,19 +806,3 @@ class BatchWorker:
             r.sent = n
         else:
             r.deliver(resp)
-
-
-def _shared_len(a: list[int], b: list[int], upto: int) -> int:
-    """How many of the first ``upto`` tokens ``a`` and ``b`` share (slice comparisons, which
-    run in C: the rows' prompts are hundreds of tokens)."""
-    upto = max(0, min(upto, len(a), len(b)))
-    if a[:upto] == b[:upto]:
-        return upto
-    lo, hi = 0, upto  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -246,9 +246,9 @@ class BatchKV:
     # ---- a prefix held once ------------------------------------------------------------
     def share(self, key: list[int], epoch: int = 0) -> None:
         """Hold the first ``len(key)`` tokens of every row once: every live row must start
-        with them, computed under the same weights ``epoch`` (the caller checks). Nothing is copied but the prefix itself:
-        each row's first ``len(key)`` real columns are masked out, and leading columns that are
-        now padding in every row are skipped."""
+        with them, computed under the same weights ``epoch`` (the caller checks). Nothing is
+        copied but the prefix itself: each row's first ``len(key)`` real columns are masked
+        out, and leading columns that are now padding in every row are skipped."""
         n = len(key)
         if self.shared is not None:
             raise RuntimeError("the batch already holds a shared prefix: unshare_to(0) first")
@@ -286,13 +286,17 @@ class BatchKV:
         ``n`` real columns (a prefix the batch holds once): masked out, and the leading columns
         that are padding in every row dropped (a view of ``new_kv``)."""
         mask = new_mask & (new_mask.cumsum(1) > n)
-        real_cols = mask.any(0).nonzero()
-        skip = int(real_cols[0]) if real_cols.numel() else mask.shape[1]
+        skip = _leading_padding(mask)
         return new_kv[:, :, :, :, skip:], mask[:, skip:]
 
     def _skip_padding(self) -> None:
         """Move ``start`` past the leading columns that are padding in every live row."""
-        real_cols = self.mask.any(0).nonzero()
-        skip = int(real_cols[0]) if real_cols.numel() else self.length
+        skip = _leading_padding(self.mask)
         self.start += skip
         self.length -= skip
+
+
+def _leading_padding(mask: torch.Tensor) -> int:
+    """How many leading columns of ``mask`` ``[rows, columns]`` are padding in every row."""
+    real_cols = mask.any(0).nonzero()
+    return int(real_cols[0]) if real_cols.numel() else mask.shape[1]

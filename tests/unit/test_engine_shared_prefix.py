@@ -256,3 +256,23 @@ def test_attention_arguments_it_does_not_implement_are_refused_not_ignored():
     # without a prefix it is plain sdpa, whatever the model passes
     plain, _ = transformers_attention(layer, q, k, k, None, scaling=0.5)
     assert plain.shape == (1, 1, 2, 4)
+
+
+def test_common_prefix_len_agrees_with_a_token_by_token_scan():
+    """Its slice bisection (two lists, two tuples) and its scan (mixed types) count the same."""
+    from areal_env.api.tokens import common_prefix_len
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        a = torch.randint(0, 3, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)
+        cut = int(torch.randint(0, len(a) + 1, (1,), generator=g))
+        tail = torch.randint(0, 3, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g)
+        x, y = a.tolist(), a[:cut].tolist() + tail.tolist()
+        for p, q in ((x, y), (tuple(x), tuple(y)), (tuple(x), y)):
+            assert common_prefix_len(p, q) == scan(p, q)

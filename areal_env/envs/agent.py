@@ -78,7 +78,9 @@ class AenvAgent(EnvAgentBase):
         self.first_turn_tool_choice = first_turn_tool_choice
 
     # ------------------------------------------------------------------------------------------
-    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float | dict[str, float]:
+    async def run(
+        self, data: dict[str, Any], **extra_kwargs: Any
+    ) -> float | dict[str, float | None]:
         """Run one episode on ``data`` and return its reward.
 
         ``extra_kwargs``: ``base_url``, ``api_key``, ``http_client`` (injected by the training
@@ -86,7 +88,9 @@ class AenvAgent(EnvAgentBase):
         held-out evaluation: the proxy session is greedy then; the episode itself is the same).
 
         A float, or ``{completion_id: reward}`` when the reward function credits tool calls
-        (``call_rewards``): each call's credit goes to the completion that made it. A held-out
+        (``call_rewards``): each call's credit goes to the completion that made it; the answer's
+        completion is ``None`` (left out of the loss) when the reward function says the answer
+        was out of reach (``answer_in_reach: false``: a wrong call broke the chain). A held-out
         evaluation always gets the episode's reward alone (success is the final answer's).
         """
         model = self.model_name(extra_kwargs)

@@ -180,26 +180,36 @@ class EpisodeReward:
     verifier's "this call was a right step"): each is paid to the completion that made the call,
     so that in training a right call followed by a wrong answer is told apart from a wrong call
     (per-turn credit; docs/training.md, "Credit per tool call"). Empty: none given.
+    ``answer_in_reach``: False when the verifier knows that no answer could have been right
+    after the tool results the agent got (a wrong call broke the solution's chain): the answering
+    completion is then left out of the loss, so that the turn which faithfully reports a wrong
+    result is not blamed for the call that produced it.
     """
 
     value: float
     call_rewards: tuple[float, ...] = ()
+    answer_in_reach: bool = True
 
-    def per_completion(self, outcome: EpisodeOutcome) -> float | dict[str, float]:
+    def per_completion(self, outcome: EpisodeOutcome) -> float | dict[str, float | None]:
         """The agent's return value: ``value`` alone when there is no call credit (or nothing
-        to pay it to), else ``{completion_id: reward}`` with every call's credit added to the
-        completion that made it and ``value`` to the last completion."""
-        if not self.call_rewards or not outcome.completion_ids:
+        to pay it to) and the answer was in reach, else ``{completion_id: reward}`` with every
+        call's credit added to the completion that made it and ``value`` to the last completion
+        (``None``, out of the loss, when the answer was out of reach, was not right anyway, and
+        that completion made no call that earned credit)."""
+        if not outcome.completion_ids:
             return self.value
-        out: dict[str, float] = {}
-        for entry, credit in zip(outcome.tool_calls, self.call_rewards, strict=True):
+        out: dict[str, float | None] = {}
+        for entry, credit in zip(outcome.tool_calls, self.call_rewards, strict=False):
             cid = entry.get("completion_id")
             if credit and isinstance(cid, str):
-                out[cid] = out.get(cid, 0.0) + credit
+                out[cid] = (out.get(cid) or 0.0) + credit
+        last = outcome.completion_ids[-1]
+        if not self.answer_in_reach and not self.value and last not in out:
+            out[last] = None
+            return out
         if not out:  # no call earned anything: the episode's reward, as without credit
             return self.value
-        last = outcome.completion_ids[-1]
-        out[last] = out.get(last, 0.0) + self.value
+        out[last] = (out.get(last) or 0.0) + self.value
         return out
 
 
@@ -208,9 +218,12 @@ def episode_reward(result: Any, n_calls: int) -> EpisodeReward:
     ``reward`` (``score``, ``value``) and optionally ``call_rewards``: one number per tool call
     of the episode. ``ValueError`` says what is wrong with it."""
     value = reward_value(result)
+    in_reach = result.get("answer_in_reach", True) if isinstance(result, dict) else True
+    if not isinstance(in_reach, bool):
+        raise ValueError(f"answer_in_reach must be true or false, got {in_reach!r:.60}")
     credits = result.get("call_rewards") if isinstance(result, dict) else None
     if credits is None:
-        return EpisodeReward(value)
+        return EpisodeReward(value, answer_in_reach=in_reach)
     if not isinstance(credits, list | tuple) or len(credits) != n_calls:
         raise ValueError(
             f"call_rewards must be a list with one number per tool call of the episode "
@@ -221,7 +234,7 @@ def episode_reward(result: Any, n_calls: int) -> EpisodeReward:
         if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
             raise ValueError(f"call_rewards must hold finite numbers, got {x!r}")
         out.append(float(x))
-    return EpisodeReward(value, tuple(out))
+    return EpisodeReward(value, tuple(out), answer_in_reach=in_reach)
 
 
 async def compute_reward(

@@ -212,17 +212,21 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             or not math.isfinite(reward)
         ):
             raise bad_request("'reward' must be a finite number", "reward")
-        unknown = sorted(set(body) - {"reward", "completion_id"})
+        unknown = sorted(set(body) - {"reward", "completion_id", "train"})
         if unknown:  # a misspelt id would otherwise reward the last completion instead
             raise bad_request(
-                f"unknown field {unknown[0]!r}: set_reward takes 'reward' and 'completion_id'",
+                f"unknown field {unknown[0]!r}: set_reward takes 'reward', 'completion_id' "
+                "and 'train'",
                 unknown[0],
             )
         iid = body.get("completion_id")
         if iid is not None and not isinstance(iid, str):
             raise bad_request("'completion_id' must be a string", "completion_id")
+        train = body.get("train", True)
+        if not isinstance(train, bool):
+            raise bad_request("'train' must be true or false", "train")
         try:
-            rid = session.cache.set_reward(float(reward), iid)
+            rid = session.cache.set_reward(float(reward), iid, train=train)
         except KeyError:
             if iid is None:
                 raise HTTPError(404, "this session has no completion to reward yet") from None
@@ -231,7 +235,8 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
             ) from None
         except ValueError as e:
             raise bad_request(str(e), "reward") from None
-        return json_response({"completion_id": rid, "reward": session.cache.get(rid).reward})
+        it = session.cache.get(rid)
+        return json_response({"completion_id": rid, "reward": it.reward, "train": it.trained})
 
     @app.post(routes.END_SESSION)
     async def end_session(request: Request) -> Response:
@@ -334,6 +339,7 @@ def _interaction_summary(
         "parent_id": it.parent_id,
         "policy": it.policy,
         "reward": it.reward,
+        "trained": it.trained,
         "stop_reason": it.stop_reason,
         "spliced": it.spliced,
         "num_prompt_tokens": len(it.prompt_ids),

@@ -70,6 +70,10 @@ class Interaction:
     """The policy that produced it (the request's ``model``, in a multi-agent run); ``None``
     for a proxy without policies."""
     reward: float | None = None
+    trained: bool = True
+    """False: the completion is left out of the loss (``set_reward(..., train=False)``): neither
+    rewarded nor blamed, e.g. an answer that could not have been right after a wrong tool result.
+    It stays in the history of later turns, and its reward still flows to earlier ones."""
     spliced: bool = False
     created_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -88,7 +92,10 @@ def _trained(it: Interaction) -> list[int]:
     """The loss mask of an interaction's output tokens: all of them, except the forced tokens of
     a constrained start (``tool_choice: required``: the only token allowed there, reported with
     logprob exactly 0). They are no choice of the policy and must carry no gradient; trained,
-    the PPO ratio of one is the model's probability of it, and a right episode pushed it up."""
+    the PPO ratio of one is the model's probability of it, and a right episode pushed it up.
+    A completion set ``trained=False`` has none of its tokens in the loss."""
+    if not it.trained:
+        return [0] * len(it.output_ids)
     if not it.extra.get("constrained"):
         return [1] * len(it.output_ids)
     return [0 if lp == 0.0 else 1 for lp in it.output_logprobs]
@@ -374,12 +381,18 @@ class InteractionCache:
         self,
         reward: float,
         completion_id: str | None = None,
+        *,
+        train: bool = True,
     ) -> str:
         """Set a completion's reward (None = the last added); returns its id.
 
         Setting replaces: a client that retries ``set_reward`` after a timeout (the first call
         may have landed) gets the same reward, never twice the reward. ``KeyError`` for an
         unknown id or an empty session, ``ValueError`` for a non-finite reward.
+
+        ``train=False`` leaves the completion's tokens out of the loss (their advantage would
+        blame or credit a turn for what an earlier turn decided); ``reward`` still counts in the
+        returns of the turns before it.
         """
         value = float(reward)
         if not math.isfinite(value):
@@ -391,6 +404,7 @@ class InteractionCache:
                 completion_id = self._last
             it = self.get(completion_id)
             it.reward = value
+            it.trained = bool(train)
             return it.id
 
     def discounted_rewards(self, discount: float) -> dict[str, float]:

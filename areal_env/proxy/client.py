@@ -155,11 +155,18 @@ class OpenAIProxyClient:
             raise RuntimeError("the session is not started (use `async with` or start())")
         return self.api_key
 
-    async def set_reward(self, reward: float, completion_id: str | None = None) -> None:
-        """Reward a completion (by its response id), or the last one when ``None``."""
+    async def set_reward(
+        self, reward: float, completion_id: str | None = None, *, train: bool = True
+    ) -> None:
+        """Reward a completion (by its response id), or the last one when ``None``.
+
+        ``train=False`` leaves that completion out of the loss (neither rewarded nor blamed);
+        ``reward`` still counts in the returns of the turns before it."""
         body: dict[str, Any] = {"reward": reward}
         if completion_id is not None:
             body["completion_id"] = completion_id
+        if not train:
+            body["train"] = False
         await _post(
             self.http, self.base_url + routes.SET_REWARD, self._require(), body, self.max_retries
         )

@@ -217,18 +217,25 @@ class Gateway:
         raise last
 
     async def set_reward(
-        self, sess: GatewaySession, reward: float, completion_id: str | None
+        self, sess: GatewaySession, reward: float, completion_id: str | None, *, train: bool = True
     ) -> dict:
         payload: dict[str, Any] = {"reward": float(reward)}
         if completion_id:
             payload["completion_id"] = completion_id
+        if not train:
+            payload["train"] = False
         resp = await self.forwarder.session_post(sess, routes.SET_REWARD, payload)
         if resp.status_code >= 400:
             raise ServiceError(resp.status_code, _backend_message(resp))
         if not sess.rewarded:
             sess.rewarded = True
             await asyncio.to_thread(self.book.store.update_session, sess.id, rewarded=True)
-        return {"session_id": sess.id, "completion_id": completion_id, "reward": float(reward)}
+        return {
+            "session_id": sess.id,
+            "completion_id": completion_id,
+            "reward": float(reward),
+            "train": train,
+        }
 
     async def finalize(
         self,

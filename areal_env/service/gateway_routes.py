@@ -107,18 +107,21 @@ def _session_routes(app: FastAPI, gw: Gateway) -> None:
     async def set_reward(request: Request) -> dict:
         user, in_key = await gw.book.authenticate(request)
         body = await _json_body(request)
-        unknown = sorted(set(body) - {"reward", "completion_id", "session_id"})
+        unknown = sorted(set(body) - {"reward", "completion_id", "session_id", "train"})
         if unknown:  # a misspelt id would otherwise reward the last completion instead
             raise ServiceError(
                 400,
-                f"unknown field {unknown[0]!r}: set_reward takes 'reward', 'completion_id' "
-                "and 'session_id'",
+                f"unknown field {unknown[0]!r}: set_reward takes 'reward', 'completion_id', "
+                "'train' and 'session_id'",
             )
         sess = await gw.book.active_session(user, gw.book.session_id_of(request, in_key, body))
         reward = _reward(body.get("reward"), "reward", required=True)
         assert reward is not None  # required=True refuses a missing reward
+        train = body.get("train", True)
+        if not isinstance(train, bool):
+            raise ServiceError(400, "'train' must be true or false")
         completion_id = body.get("completion_id")
-        return await gw.set_reward(sess, reward, completion_id)
+        return await gw.set_reward(sess, reward, completion_id, train=train)
 
     @app.post(routes.SERVICE_FINALIZE)
     async def finalize(request: Request) -> dict:

@@ -119,16 +119,18 @@ def _as_finite(value: Any, what: str) -> float:
     return f
 
 
-def validate_reward(value: Any) -> float | dict[str, float]:
-    """A float (reward of the last completion) or ``{completion_id: float}``; else BadReward."""
+def validate_reward(value: Any) -> float | dict[str, float | None]:
+    """A float (reward of the last completion) or ``{completion_id: float | None}``; else
+    BadReward. ``None`` for a completion: leave it out of the loss (neither rewarded nor blamed,
+    e.g. an answer that could not have been right after a wrong tool result)."""
     if isinstance(value, dict):
         if not value:
             raise BadReward("the agent returned an empty reward dict")
-        out = {}
+        out: dict[str, float | None] = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise BadReward(f"reward dict keys must be completion ids (str), got {k!r}")
-            out[k] = _as_finite(v, f"reward for {k!r}")
+            out[k] = None if v is None else _as_finite(v, f"reward for {k!r}")
         return out
     if value is None:
         raise BadReward("the agent returned None; return a float or {completion_id: float}")
@@ -351,7 +353,10 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             try:
                 if isinstance(reward, dict):
                     for cid, r in reward.items():
-                        await session.set_reward(r, completion_id=cid)
+                        if r is None:  # left out of the loss; 0 in the earlier turns' returns
+                            await session.set_reward(0.0, completion_id=cid, train=False)
+                        else:
+                            await session.set_reward(r, completion_id=cid)
                 else:
                     await session.set_reward(reward)
             except Exception as e:

@@ -107,6 +107,13 @@ def check_response(resp: httpx.Response) -> dict[str, Any]:
     return resp.json()
 
 
+def _reward_payload(reward: float, completion_id: str | None, train: bool) -> dict[str, Any]:
+    payload: dict[str, Any] = {"completion_id": completion_id, "reward": float(reward)}
+    if not train:
+        payload["train"] = False
+    return payload
+
+
 def _need_session() -> AgentSession:
     session = current_session()
     if session is None:
@@ -114,10 +121,11 @@ def _need_session() -> AgentSession:
     return session
 
 
-def set_reward(reward: float, completion_id: str | None = None) -> Any:
-    """Reward a completion of the current session (``None`` = its latest completion).
-    Awaitable inside ``async with``, a plain call inside ``with``."""
-    return _need_session().set_reward(reward, completion_id)
+def set_reward(reward: float, completion_id: str | None = None, *, train: bool = True) -> Any:
+    """Reward a completion of the current session (``None`` = its latest completion;
+    ``train=False``: leave it out of the loss). Awaitable inside ``async with``, a plain call
+    inside ``with``."""
+    return _need_session().set_reward(reward, completion_id, train=train)
 
 
 def finalize(final_reward: float | None = None, *, status: str = "ok") -> Any:
@@ -376,9 +384,10 @@ class AgentSession:
         resp = await self._aclient().get(self.service_url + path, headers=self._auth())
         return check_response(resp)
 
-    async def _aset_reward(self, reward: float, completion_id: str | None) -> dict[str, Any]:
-        payload = {"completion_id": completion_id, "reward": float(reward)}
-        data = await self._apost("/rl/v1/set_reward", payload)
+    async def _aset_reward(
+        self, reward: float, completion_id: str | None, train: bool
+    ) -> dict[str, Any]:
+        data = await self._apost("/rl/v1/set_reward", _reward_payload(reward, completion_id, train))
         self._rewarded = True
         return data
 
@@ -464,17 +473,18 @@ class AgentSession:
 
     # -- public, both modes ----------------------------------------------------------------
 
-    def set_reward(self, reward: float, completion_id: str | None = None) -> Any:
+    def set_reward(
+        self, reward: float, completion_id: str | None = None, *, train: bool = True
+    ) -> Any:
         """Reward one completion (``completion_id``: the ``id`` of a chat completion or
-        message; ``None`` = the latest), in the proxy client's order. Awaitable inside
-        ``async with``."""
+        message; ``None`` = the latest), in the proxy client's order. ``train=False`` leaves
+        that completion out of the loss (neither rewarded nor blamed; ``reward`` still counts
+        in the returns of the turns before it). Awaitable inside ``async with``."""
         if self._sync is not None:
-            data = self._spost(
-                "/rl/v1/set_reward", {"completion_id": completion_id, "reward": float(reward)}
-            )
+            data = self._spost("/rl/v1/set_reward", _reward_payload(reward, completion_id, train))
             self._rewarded = True
             return data
-        return self._aset_reward(reward, completion_id)
+        return self._aset_reward(reward, completion_id, train)
 
     def finalize(self, final_reward: float | None = None, *, status: str = "ok") -> Any:
         """End the trajectory: ``final_reward`` goes to the last completion; ``status="failed"``

@@ -109,6 +109,22 @@ def call_credits(calls: list, steps: list) -> list[float]:
     return credits
 
 
+def answer_in_reach(credits: list[float], steps: list) -> bool:
+    """Whether a right answer could follow the tool results the agent got: no call was made
+    (it may compute the answer itself), or its latest call was a right step of the solution
+    (the answer, or the next call, is one copy away).
+
+    After a wrong call (wrong tool or numbers, an error, a call the solution did not need) the
+    reply reports a wrong result, and no reply the model can give there would be right: its
+    completion is left out of the loss (``answer_in_reach: false``). Blamed, the faithful copy
+    of a wrong result was pushed down in every episode whose call was wrong, most episodes of
+    the first steps, and a run unlearned answering with the result (docs/training.md, "Credit
+    per tool call")."""
+    if not credits or not steps:
+        return True
+    return credits[-1] > 0
+
+
 @register_reward
 def reward(
     final_answer: str = "",
@@ -156,6 +172,7 @@ def reward(
     return {
         "reward": 1.0 if correct else 0.0,
         "call_rewards": credits,
+        "answer_in_reach": answer_in_reach(credits, steps),
         "wasted_calls": wasted,
         "correct": correct,
         "plain": plain,

@@ -188,11 +188,17 @@ async def test_reward_plumbing(aenv_config, counter_server):
         )
         assert reward_value(out) == 0.0 and out["wasted_calls"] == 1
         assert out["call_rewards"] == [0.25, 0.0]
+        assert out["answer_in_reach"] is False  # after the wasted call: out of the loss
         # a wrong call before the right one is not wasted
         out = await env.call_reward(
             {"final_answer": "42", "task": task, "tool_calls": [again, done]}
         )
         assert reward_value(out) == 1.0 and out["call_rewards"] == [0.0, 0.25]
+        assert out["answer_in_reach"] is True  # the latest call was a right step
+        # after a wrong call no answer could be right: the answer's turn is not blamed
+        for calls, in_reach in (([again], False), ([], True), ([done], True)):
+            out = await env.call_reward({"final_answer": "7", "task": task, "tool_calls": calls})
+            assert reward_value(out) == 0.0 and out["answer_in_reach"] is in_reach, calls
         # a task without steps: no credit, one entry per call all the same
         out = await env.call_reward(
             {"final_answer": "12", "task": {"answer": 12}, "tool_calls": [right_call]}

@@ -246,6 +246,49 @@ async def test_call_credit_reaches_the_turn_that_made_the_call(engine, proxy_ser
     assert value == 1.0
 
 
+@pytest.mark.slow
+async def test_an_answer_out_of_reach_is_left_out_of_the_loss(engine, proxy_server, aenv_config):
+    """``answer_in_reach: false`` (a wrong call broke the chain): through the real proxy,
+    environment and model, the answering completion's tokens leave the training row's loss
+    mask, the call's tokens stay in it, and the trainer's batch trains only those."""
+    from areal_env.api.config import RolloutConfig
+    from areal_env.workflow.batch import collate_groups
+    from tests.fixtures.proxy import proxy_executor
+
+    def wrong_call(tool_calls):
+        return {"reward": 0.0, "call_rewards": [0.0] * len(tool_calls), "answer_in_reach": False}
+
+    agent = AenvAgent(
+        aenv_config,
+        max_turns=2,
+        max_tokens=24,
+        temperature=0.0,
+        first_turn_tool_choice="required",
+        tool_choice="none",  # the second turn answers
+        reward_fn=wrong_call,
+    )
+    rollout = RolloutConfig(n_samples=1, batch_size=1, export_style="concat")
+    ex = proxy_executor(engine, agent, rollout, proxy_server)
+    try:
+        batch = await ex.rollout_batch([{"question": "What is 17 + 25?"}], trainer_version=0)
+    finally:
+        await ex.aclose()
+    (group,) = batch.groups
+    (ep,) = group
+    answer_id = ep.interactions[-1]["id"]
+    assert ep.reward == {answer_id: None}, ep.reward
+    by_id = {it["id"]: it for it in ep.interactions}
+    assert by_id[answer_id]["trained"] is False
+    assert [it["trained"] for it in ep.interactions[:-1]] == [True]
+    (row,) = ep.rows
+    n_call = by_id[ep.interactions[0]["id"]]["num_output_tokens"]
+    n_answer = by_id[answer_id]["num_output_tokens"]
+    assert n_answer > 0 and row.loss_mask[-n_answer:] == [0] * n_answer
+    assert 0 < sum(row.loss_mask) <= n_call  # the call's sampled tokens only
+    tensors = collate_groups(batch.groups)
+    assert int(tensors["loss_mask"][0].sum()) == sum(row.loss_mask)
+
+
 def test_episode_reward_reads_call_rewards_and_says_what_is_wrong():
     from areal_env.envs.episode import EpisodeOutcome, EpisodeReward, episode_reward
 
@@ -268,3 +311,15 @@ def test_episode_reward_reads_call_rewards_and_says_what_is_wrong():
     paid = EpisodeReward(1.0, (0.25, 0.25, 0.0)).per_completion(outcome)
     assert paid == {"c1": 0.5, "c3": 1.0}
     assert EpisodeReward(1.0).per_completion(outcome) == 1.0  # no credit: a float as before
+    # an answer out of reach (a wrong call broke the chain) is left out of the loss: None
+    assert episode_reward({"reward": 0, "answer_in_reach": False}, 0) == EpisodeReward(
+        0.0, answer_in_reach=False
+    )
+    with pytest.raises(ValueError, match="answer_in_reach must be true or false"):
+        episode_reward({"reward": 0, "answer_in_reach": "no"}, 0)
+    out_of_reach = EpisodeReward(0.0, (0.25, 0.0, 0.0), answer_in_reach=False)
+    assert out_of_reach.per_completion(outcome) == {"c1": 0.25, "c3": None}
+    assert EpisodeReward(0.0, answer_in_reach=False).per_completion(outcome) == {"c3": None}
+    # ... unless it was right anyway (the model worked it out itself): then it is paid
+    right_anyway = EpisodeReward(1.0, (0.0, 0.0, 0.0), answer_in_reach=False)
+    assert right_anyway.per_completion(outcome) == 1.0

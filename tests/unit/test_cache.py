@@ -215,6 +215,29 @@ def test_discount_chain_hand_computed():
     assert c.discounted_rewards(0.0) == {a.id: 0.25, b.id: 0.0, d.id: 1.0}
 
 
+def test_a_completion_left_out_of_the_loss_keeps_its_place_in_the_returns():
+    """``set_reward(r, id, train=False)``: the completion's tokens leave the loss mask (in its
+    own row and in the concat row that continues it), its reward still flows to the turns
+    before it, and setting it again without ``train=False`` trains it again."""
+    c = InteractionCache()
+    a = make([user("q")], asst("a"))
+    c.add(a)
+    b = make([user("q"), asst("a"), user("r")], asst("b"), parent=a)
+    c.add(b)
+    c.set_reward(0.25, a.id)
+    c.set_reward(0.5, b.id, train=False)
+    assert not b.trained and a.trained
+    (row,) = c.export(1.0, "concat").values()
+    n_b = len(b.output_ids)
+    assert row["loss_mask"][-n_b:] == [0] * n_b
+    assert sum(row["loss_mask"]) == len(a.output_ids)
+    assert row["reward"] == pytest.approx(0.75)  # the first turn's return counts b's reward
+    rows = c.export(1.0, "individual")
+    assert sum(rows[b.id]["loss_mask"]) == 0 and sum(rows[a.id]["loss_mask"]) == len(a.output_ids)
+    c.set_reward(0.5, b.id)
+    assert b.trained and sum(c.export(1.0, "individual")[b.id]["loss_mask"]) == n_b
+
+
 def test_concat_starts_new_row_at_non_spliced_child():
     c = InteractionCache()
     a = make([user("q")], asst("a"))

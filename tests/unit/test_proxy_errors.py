@@ -335,11 +335,20 @@ def test_rl_endpoint_errors_and_isolation(http, proxy_server):
     ok = http.post(
         "/rl/set_reward", json={"completion_id": b_id, "reward": 0.5}, headers=_auth(key_b)
     )
-    assert ok.status_code == 200 and ok.json() == {"completion_id": b_id, "reward": 0.5}
+    assert ok.status_code == 200
+    assert ok.json() == {"completion_id": b_id, "reward": 0.5, "train": True}
+    # left out of the loss: the export masks its tokens; setting it again trains it again
+    out = http.post(
+        "/rl/set_reward", json={"reward": 0.0, "train": False}, headers=_auth(key_b)
+    ).json()
+    assert out == {"completion_id": b_id, "reward": 0.0, "train": False}
+    _openai_error(
+        http.post("/rl/set_reward", json={"reward": 0, "train": "no"}, headers=_auth(key_b)), 400
+    )
     # no id = the last completion; setting replaces, so a retried call never counts twice
     for _ in range(3):
         ok = http.post("/rl/set_reward", json={"reward": 0.25}, headers=_auth(key_b))
-        assert ok.json() == {"completion_id": b_id, "reward": 0.25}
+        assert ok.json() == {"completion_id": b_id, "reward": 0.25, "train": True}
     # export validation
     admin = _auth(proxy_server.admin_key)
     _openai_error(

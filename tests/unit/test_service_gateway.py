@@ -175,7 +175,7 @@ async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
                 )
                 ids.append(r.id)
                 await asyncio.sleep(0)
-            await s.set_reward(0.25, ids[0])
+            await s.set_reward(0.25, ids[0], train=i != 0)  # agent 0: out of the loss
             await s.finalize(float(i))
             return s.session_id, ids
 
@@ -190,6 +190,8 @@ async def test_concurrent_sessions_in_one_process_stay_separate(service_stack):
         assert sorted(it["id"] for it in episode["interactions"]) == sorted(ids)
         rewards = {it["id"]: it["reward"] for it in episode["interactions"]}
         assert rewards[ids[0]] == 0.25 and rewards[ids[1]] == float(i)
+        trained = {it["id"]: it["trained"] for it in episode["interactions"]}
+        assert trained == {ids[0]: i != 0, ids[1]: True}
     assert batch["input_ids"].shape[0] == 8  # 4 sessions x 2 completions (individual rows)
 
 
@@ -203,8 +205,9 @@ def test_sync_session_with_sync_openai_client(service_stack):
     assert out["status"] == "ok" and out["num_completions"] == 1
     with AgentSession(url, ALICE, group_id="sync") as s3:
         r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3)
-        got = s3.set_reward(0.75, r.id)
-        assert got["completion_id"] == r.id and got["reward"] == 0.75
+        got = s3.set_reward(0.75, r.id, train=False)
+        assert got["completion_id"] == r.id and got["reward"] == 0.75 and got["train"] is False
+        assert s3.set_reward(0.75, r.id)["train"] is True
         s3.finalize()
     with pytest.raises(ValueError, match="boom"):
         with AgentSession(url, ALICE, group_id="sync-failed") as s2:

@@ -96,6 +96,9 @@ class GenerationConfig:
     """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
     closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
     Strings and escapes are respected. Engines that cannot (SGLang) ignore it."""
+    json_end_depth: int = 0
+    """With ``stop_at_json_end``: the bracket depth whose return ends the output. 0: the whole
+    value; 1: its first element (one call of a call list, for ``parallel_tool_calls: false``)."""
     constraint: Constraint | None = None
     """The output must match this schema, regex or grammar (constrained decoding; see
     ``Constraint``). Each token is drawn from the distribution restricted to what the grammar
@@ -133,6 +136,8 @@ class GenerationConfig:
             )
         if self.prefix_decision and not self.prefix_choices:
             raise ValueError("prefix_decision needs prefix_choices (the call starts it decides)")
+        if not isinstance(self.json_end_depth, int) or self.json_end_depth < 0:
+            raise ValueError(f"json_end_depth must be an integer >= 0, got {self.json_end_depth!r}")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]

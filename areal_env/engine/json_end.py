@@ -11,12 +11,19 @@ from __future__ import annotations
 
 
 class JsonEnd:
-    """Feed text; ``closed`` turns True once every bracket opened (in the prefix or the text fed
-    after it) is closed again."""
+    """Feed text; ``closed`` turns True once the brackets opened (in the prefix or the text fed
+    after it) are closed back to ``depth`` (0: every one; 1: the first element of a list or
+    object at the top, e.g. one call of a ``[{...}, {...}]`` call list)."""
 
-    __slots__ = ("closed", "depth", "escape", "in_string", "opened")
+    __slots__ = ("closed", "depth", "escape", "in_string", "opened", "rest", "stop_depth")
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(self, prefix: str = "", depth: int = 0) -> None:
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self.stop_depth = depth
+        self.rest = ""
+        """What the feed that closed the value held after the closing bracket (``,`` of a
+        ``},`` token, say)."""
         self.depth = 0
         self.in_string = False
         self.escape = False
@@ -26,8 +33,9 @@ class JsonEnd:
 
     def feed(self, text: str) -> bool:
         """Scan ``text``; True once the value is closed."""
-        for ch in text:
+        for i, ch in enumerate(text):
             if self.closed:
+                self.rest = text[i:]
                 break
             if self.in_string:
                 if self.escape:
@@ -43,6 +51,6 @@ class JsonEnd:
                 self.opened = True
             elif ch in "]}":
                 self.depth -= 1
-                if self.opened and self.depth <= 0:
+                if self.opened and self.depth <= self.stop_depth:
                     self.closed = True
         return self.closed

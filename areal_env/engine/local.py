@@ -401,7 +401,11 @@ class LocalEngine:
                 explore=float(g.choice_exploration),
                 decision_pending=bool(g.prefix_decision),
             ),
-            json_end=JsonEnd(g.stop_at_json_end) if g.stop_at_json_end is not None else None,
+            json_end=(
+                JsonEnd(g.stop_at_json_end, g.json_end_depth)
+                if g.stop_at_json_end is not None
+                else None
+            ),
             grammar=grammar,
             close_margin=_close_margin(g.max_new_tokens) if grammar is not None else 0,
             top_logprobs=int(g.top_logprobs),

@@ -61,6 +61,9 @@ class AenvAgent(EnvAgentBase):
             default: not sent (the server's ``auto``).
         first_turn_tool_choice: overrides ``tool_choice`` on the first model call only, e.g.
             ``required`` so that a weak model calls a tool once and then answers from its result.
+        parallel_tool_calls: sent with every request that offers tools when set; ``False``: at
+            most one call per reply (the proxy ends a reply with its first call), so a weak
+            model's run-on list of calls cannot spoil a right first one.
     """
 
     def __init__(
@@ -70,12 +73,18 @@ class AenvAgent(EnvAgentBase):
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         tool_choice: str | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Any,
     ) -> None:
         # ``options`` are ``EnvAgentBase``'s keyword arguments (documented above), unchanged.
         super().__init__(aenv_config, system_prompt=system_prompt, **options)
         self.tool_choice = tool_choice
         self.first_turn_tool_choice = first_turn_tool_choice
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValueError(
+                f"parallel_tool_calls must be true, false or unset, got {parallel_tool_calls!r}"
+            )
+        self.parallel_tool_calls = parallel_tool_calls
 
     # ------------------------------------------------------------------------------------------
     async def run(
@@ -118,6 +127,8 @@ class AenvAgent(EnvAgentBase):
         request: dict[str, Any] = {"model": model, **self.sampling}
         if tools:
             request["tools"] = tools
+            if self.parallel_tool_calls is not None:
+                request["parallel_tool_calls"] = self.parallel_tool_calls
         for turn in range(self.max_turns):
             choice = self.tool_choice
             if turn == 0 and self.first_turn_tool_choice is not None:

@@ -31,6 +31,7 @@ from areal_env.api.io import (
     StreamChunk,
 )
 from areal_env.engine.grammar import ConstraintError, schema_error
+from areal_env.engine.json_end import JsonEnd
 from areal_env.http.errors import HTTPError, bad_request
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
 from areal_env.proxy.policies import PolicyEndpoint, PolicyRoute, PolicyRoutes, make_route
@@ -65,6 +66,8 @@ class Prepared:
     interaction_id: str
     protocol: str
     started: float
+    call_close: str = ""
+    """What closes the call list the engine stops inside after one call (``]``), if it does."""
 
 
 @dataclass
@@ -230,10 +233,12 @@ class ProxyState:
         constraint = self.constraint(creq, route.renderer)
         can_constrain = self.config.constrain_required and creq.parse_tools and constraint is None
         required = (
-            route.renderer.required_call(creq.tools, creq.tool_choice) if can_constrain else None
+            route.renderer.required_call(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
+            if can_constrain
+            else None
         )
         explored_call = (
-            route.renderer.explored_call(creq.tools)
+            route.renderer.explored_call(creq.tools, creq.parallel_tool_calls)
             if sampling.call_exploration > 0
             and can_constrain
             and required is None
@@ -258,6 +263,7 @@ class ProxyState:
                 choice_exploration=sampling.choice_exploration if start else 0.0,
                 prefix_decision=explored_call is not None,
                 stop_at_json_end=start.json_start if start else None,
+                json_end_depth=start.json_depth if start else 0,
                 constraint=constraint,
                 top_logprobs=creq.top_logprobs if creq.logprobs else 0,
             )
@@ -274,6 +280,7 @@ class ProxyState:
             interaction_id=f"{id_prefix}{secrets.token_hex(16)}",
             protocol=protocol,
             started=time.perf_counter(),
+            call_close=start.close if start else "",
         )
 
     def _call_draw(self, seed: int | None) -> float:
@@ -307,7 +314,9 @@ class ProxyState:
                     )
         answer = fmt.schema if fmt is not None else None
         if tools and (strict or fmt is not None):
-            grammar = renderer.call_grammar(tools, creq.tool_choice, answer)
+            grammar = renderer.call_grammar(
+                tools, creq.tool_choice, answer, creq.parallel_tool_calls
+            )
             if grammar:
                 return Constraint("grammar", grammar)
         if answer is not None:
@@ -356,6 +365,20 @@ class ProxyState:
             raise bad_request(str(e), "messages") from None
         return prompt_ids
 
+    def _call_close(self, prep: Prepared, result: ModelResponse) -> tuple[str, int]:
+        """``(prep.call_close, characters after the call)`` when the engine stopped inside a
+        call list after its first call (``parallel_tool_calls: false``), else ``("", 0)``: the
+        parse closes the list there (a ``},`` token leaves a ``,`` to drop), and the history
+        adds the closing."""
+        json_start = prep.gconfig.stop_at_json_end
+        if not prep.call_close or json_start is None or result.stop_reason != "stop":
+            return "", 0
+        text = prep.route.tokenizer.decode(list(result.output_tokens), skip_special_tokens=False)
+        one_call, whole = JsonEnd(json_start, prep.gconfig.json_end_depth), JsonEnd(json_start)
+        if not one_call.feed(text) or whole.feed(text):
+            return "", 0
+        return prep.call_close, len(one_call.rest)
+
     def model_request(self, prep: Prepared) -> ModelRequest:
         # the session id pins every turn to one inference server (SGLangEngine's routing), so
         # later turns reuse that server's prefix cache
@@ -374,16 +397,22 @@ class ProxyState:
             if not result.output_tokens:
                 raise HTTPError(503, "generation was aborted (engine stopping or paused); retry")
             stop_reason = "length"
+        closing, cut = self._call_close(prep, result)
         parsed = prep.route.renderer.parse_output(
-            list(result.output_tokens), stop_reason, creq.tools, creq.tool_choice
+            list(result.output_tokens), stop_reason, creq.tools, creq.tool_choice, closing, cut
         )
+        calls = parsed.tool_calls
+        if calls and not creq.parallel_tool_calls and len(calls) > 1:
+            # a free reply with several calls: the first is the one call the client allows
+            session.stats.parallel_calls_dropped += len(calls) - 1
+            calls = calls[:1]
         content, stop_hit = truncate_at_stop(parsed.content, creq.stop)
         finish = parsed.finish_reason
-        if stop_hit is not None and not parsed.tool_calls:
+        if stop_hit is not None and not calls:
             finish = "stop"
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
+        if calls:
+            message["tool_calls"] = calls
             if not content:
                 message["content"] = None
         elif content is None:
@@ -412,6 +441,8 @@ class ProxyState:
                 "engine_stop_reason": result.stop_reason,
                 "tool_parse_error": parsed.tool_parse_error,
                 "tool_call_recovery": parsed.tool_call_recovery,
+                # the "]" the history adds after a call list cut at its first call
+                "call_close": closing,
                 "latency": time.perf_counter() - prep.started,
                 "sampling": {
                     **prep.sampling.as_dict(),

@@ -64,6 +64,8 @@ class RequiredCall:
     choices: list[list[int]] | None  # token sequences it may start with: a tool name + "{"
     stop: list[str]  # the end of the call block, so that nothing follows the call
     json_start: str | None  # the JSON the prefill opens; the engine stops where it closes
+    json_depth: int = 0  # 1: stop where the list's first element (one call) closes
+    close: str = ""  # what closes the list the engine stopped inside (history, parsing)
 
 
 class RenderError(ValueError):
@@ -93,7 +95,7 @@ class ChatRenderer:
         self.worked_example = worked_example
         self._tool_prompt_cache: dict[bytes, tuple[str, list[dict[str, str]]]] = {}
         # glue ids per final output token (None: the output did not end on a stop token)
-        self._glue_cache: dict[int | None, list[int]] = {}
+        self._glue_cache: dict[tuple[int | None, str], list[int]] = {}
         # parent id -> (its context message objects, tools, tool_choice, their rendering)
         self._prefix_cache: dict[str, tuple[tuple[dict[str, Any], ...], Any, Any, str]] = {}
         template = getattr(tokenizer, "chat_template", None)
@@ -442,17 +444,27 @@ class ChatRenderer:
         return ""
 
     def call_grammar(
-        self, tools: Any, tool_choice: Any, answer_schema: dict[str, Any] | None
+        self,
+        tools: Any,
+        tool_choice: Any,
+        answer_schema: dict[str, Any] | None,
+        parallel: bool = True,
     ) -> str | None:
         """The grammar of a reply that calls ``tools`` in this model family's format (strict
         tools' arguments matching their schemas) or answers with ``answer_schema``'s JSON; it
-        continues ``prefill_text`` (see ``ToolParser.call_grammar``)."""
+        continues ``prefill_text`` (see ``ToolParser.call_grammar``). ``parallel`` False: one
+        call at most."""
         offered = self._offered_tools(tools, tool_choice)
-        return self._format.call_grammar(offered, tool_choice, answer_schema)
+        return self._format.call_grammar(offered, tool_choice, answer_schema, parallel)
 
-    def required_call(self, tools: Any, tool_choice: Any) -> RequiredCall | None:
+    def required_call(
+        self, tools: Any, tool_choice: Any, parallel: bool = True
+    ) -> RequiredCall | None:
         """How to hold a ``tool_choice: required`` reply to one call of an offered tool, as
-        OpenAI's API and vLLM/SGLang's guided decoding guarantee; None for other choices."""
+        OpenAI's API and vLLM/SGLang's guided decoding guarantee; None for other choices.
+
+        ``parallel`` False (``parallel_tool_calls: false``): the reply ends where its first call
+        closes, even inside a list that could hold more."""
         if tool_choice != "required":
             return None
         offered = self._offered_tools(tools, tool_choice)
@@ -460,19 +472,30 @@ class ChatRenderer:
             return None
         choices = [c for c in map(self._encode, self._format.required_call_starts(offered)) if c]
         end = self._format.calls_end
-        json_start = None
-        if end:  # one block holds every call (hermes list form): stop where its JSON closes
-            pre = self._format.prefill(None)
-            cut = min((i for i in (pre.find("["), pre.find("{")) if i >= 0), default=-1)
-            json_start = pre[cut:] if cut >= 0 else None
+        opening = self._format.json_opening(None)
+        if not parallel and opening:
+            return self._one_call(choices or None, [end] if end else [], opening, opening)
+        # one block holds every call (hermes list form): stop where its JSON closes
+        json_start = (opening or None) if end else None
         return RequiredCall(choices or None, [end] if end else [], json_start)
 
-    def explored_call(self, tools: Any) -> RequiredCall | None:
+    @staticmethod
+    def _one_call(
+        choices: list[list[int]] | None, stop: list[str], opening: str, json_start: str
+    ) -> RequiredCall:
+        """A call constraint that ends with the first call: where a list of calls opens, at its
+        first element (``close`` then finishes the list), else where the value closes."""
+        listed = opening.startswith("[")
+        return RequiredCall(choices, stop, json_start, 1 if listed else 0, "]" if listed else "")
+
+    def explored_call(self, tools: Any, parallel: bool = True) -> RequiredCall | None:
         """A reply that starts a call of one of ``tools`` from its first token, for a reply the
         model was free to give (``tool_choice: auto``): the proxy's ``call_exploration``. The
         prompt stays the one the agent asked for (no prefill, no "must call" instruction), so
         what the trained call is learned against is the prompt the model meets unexplored.
-        None when this model family has no name slot to start a call with."""
+        None when this model family has no name slot to start a call with. ``parallel`` False:
+        the reply ends with its first call, where the family's wrapper holds no brackets of its
+        own (the scan runs over the whole reply)."""
         offered = self._offered_tools(tools, "auto")
         starts = self._format.required_call_starts(offered) if offered else []
         if not starts:
@@ -480,6 +503,10 @@ class ChatRenderer:
         opening = self._format.prefill(None)
         choices = [self._encode(opening + start) for start in starts]
         end = self._format.calls_end
+        json_opening = self._format.json_opening(None)
+        wrapper = opening[: len(opening) - len(json_opening)]
+        if not parallel and json_opening and not any(c in wrapper for c in "[]{}"):
+            return self._one_call(choices, [end] if end else [], json_opening, "")
         return RequiredCall(choices, [end] if end else [], None)
 
     def render_prompt(
@@ -523,7 +550,7 @@ class ChatRenderer:
         return [
             *parent.prompt_ids,
             *parent.output_ids,
-            *self.glue_ids(parent.output_ids),
+            *self.glue_ids(parent.output_ids, parent.extra.get("call_close", "")),
             *self._encode(suffix),
         ]
 
@@ -563,23 +590,26 @@ class ChatRenderer:
                     break
         return self._suffix(prefix_msgs, new_messages, tools, tool_choice, True, prefix)
 
-    def glue_ids(self, output_ids: list[int]) -> list[int]:
+    def glue_ids(self, output_ids: list[int], closing: str = "") -> list[int]:
         """Tokens that close the assistant turn after ``output_ids``.
 
         If the output ended on a stop token that starts the template's end-of-turn text
         (``<|im_end|>`` of ``<|im_end|>\\n``), only the rest (``\\n``) is added; otherwise (cut by
-        length, a stop string, ...) the whole end-of-turn text is. Cached per final token.
+        length, a stop string, ...) the whole end-of-turn text is. ``closing`` comes first: the
+        ``]`` of a call list the engine stopped inside after one call (``parallel_tool_calls:
+        false``), so the history shows a well-formed call. Cached per final token.
         """
         last = output_ids[-1] if output_ids and output_ids[-1] in self.stop_token_ids else None
-        cached = self._glue_cache.get(last)
+        cached = self._glue_cache.get((last, closing))
         if cached is None:
             glue = self.end_of_turn
             if last is not None:
                 tail = self.tokenizer.decode([last], skip_special_tokens=False)
                 if tail and glue.startswith(tail):
                     glue = glue[len(tail) :]
+            glue = closing + glue if last is None else glue
             cached = self._encode(glue) if glue else []
-            self._glue_cache[last] = cached
+            self._glue_cache[(last, closing)] = cached
         return list(cached)
 
     def _encode(self, text: str) -> list[int]:
@@ -592,19 +622,24 @@ class ChatRenderer:
         stop_reason: str,
         tools: Any = None,
         tool_choice: Any = None,
+        closing: str = "",
+        cut: int = 0,
     ) -> ParsedOutput:
         """Decode a completion and parse its tool calls; never raises on model output.
 
         Pass the request's ``tool_choice`` when it was ``required``/named so the prefilled call
-        start is parsed with the output. Calls are parsed only when tools were offered (see
+        start is parsed with the output, and ``closing`` after it (the ``]`` of a call list the
+        engine stopped inside, without the output's last ``cut`` characters: the ``,`` of a
+        ``},`` token after the call). Calls are parsed only when tools were offered (see
         :func:`~areal_env.proxy.output.parse_completion`).
         """
         ids = list(output_ids)
         while ids and ids[-1] in self.stop_token_ids:
             ids.pop()
-        text = self.prefill_text(tools, tool_choice) + self.tokenizer.decode(
-            ids, skip_special_tokens=False
-        )
+        output = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if cut:
+            output = output[:-cut]
+        text = self.prefill_text(tools, tool_choice) + output + closing
         parser = self.parser if self._offered_tools(tools, tool_choice) else None
         return parse_completion(
             text,

@@ -53,6 +53,9 @@ class SessionStats:
     """... returned as tool calls carrying the model's raw (invalid) arguments text."""
     tool_markup_removed: int = 0
     """... returned as plain text with the call markup removed (no readable call name)."""
+    parallel_calls_dropped: int = 0
+    """Calls after the first in replies to ``parallel_tool_calls: false`` requests (a free reply
+    the engine could not stop at its first call): left out of the message."""
     prompt_tokens: int = 0
     output_tokens: int = 0
     errors: int = 0

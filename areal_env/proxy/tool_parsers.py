@@ -135,13 +135,15 @@ class ToolParser:
         tools: list[dict[str, Any]] | None,
         tool_choice: Any = None,
         answer_schema: dict[str, Any] | None = None,
+        parallel: bool = True,
     ) -> str | None:
         """A Lark grammar (llguidance's dialect) for a reply under constrained decoding: calls in
         this family's wrapper whose arguments match their tool's schema (any JSON object for a
         tool that is not ``strict``), and, besides them, free text or, with ``answer_schema``,
         a JSON answer matching it. Under a named or ``required`` tool_choice the reply continues
-        the prompt's ``prefill`` and is one or more calls. None where this family has no call
-        block to write (``none``) and there are no tools to call."""
+        the prompt's ``prefill`` and is one or more calls (one, with ``parallel`` False:
+        ``parallel_tool_calls: false``). None where this family has no call block to write
+        (``none``) and there are no tools to call."""
         specs = function_specs(tools) if tool_choice != "none" else []
         layout = dict(JSON_LAYOUT)
         answer = (
@@ -167,7 +169,7 @@ class ToolParser:
             lines.append(f'named_rest_{i}: {rest} args_{i} "}}"')
         lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(names))))
         sep, close = _lark_literal(self.call_sep), _lark_literal(self.block_close)
-        more = f"({sep} call)*" if self.call_sep else ""
+        more = f"({sep} call)*" if self.call_sep and parallel else ""
         forced = tool_choice_name(tool_choice)
         if forced in {fn["name"] for fn in specs}:
             i = [fn["name"] for fn in specs].index(forced)  # after prefill(name): ' {args}}'
@@ -238,6 +240,11 @@ class ToolParser:
 
     def prefill(self, name: str | None) -> str:
         """Text that starts a call (``name`` forced or any): prefilled for required/named."""
+        return ""
+
+    def json_opening(self, name: str | None) -> str:
+        """The JSON text that ``prefill(name)`` ends with, after the family's wrapper (a tag, a
+        marker): where the value of a required call begins; "" for a family without one."""
         return ""
 
     def required_call_starts(self, tools: list[dict[str, Any]]) -> list[str]:
@@ -346,7 +353,10 @@ class HermesParser(ToolParser):
         return f"<tool_call>[{', '.join(call_json(c) for c in calls)}]</tool_call>"
 
     def prefill(self, name: str | None) -> str:
-        return "<tool_call>[" + call_opening(name)
+        return "<tool_call>" + self.json_opening(name)
+
+    def json_opening(self, name: str | None) -> str:
+        return "[" + call_opening(name)
 
     def required_call_starts(self, tools: list[dict[str, Any]]) -> list[str]:
         out = []
@@ -377,7 +387,10 @@ class QwenParser(HermesParser):
         return "\n".join(f"<tool_call>\n{call_json(c)}\n</tool_call>" for c in calls)
 
     def prefill(self, name: str | None) -> str:
-        return "<tool_call>\n" + call_opening(name)
+        return "<tool_call>\n" + self.json_opening(name)
+
+    def json_opening(self, name: str | None) -> str:
+        return call_opening(name)
 
 
 class Llama3Parser(ToolParser):
@@ -428,6 +441,9 @@ class Llama3Parser(ToolParser):
         return "; ".join(call_json(c, "parameters") for c in calls)
 
     def prefill(self, name: str | None) -> str:
+        return self.json_opening(name)
+
+    def json_opening(self, name: str | None) -> str:
         return call_opening(name, "parameters")
 
 
@@ -496,7 +512,10 @@ class MistralParser(ToolParser):
         return f"{self.marker}[{', '.join(call_json(c) for c in calls)}]"
 
     def prefill(self, name: str | None) -> str:
-        return f"{self.marker}[" + call_opening(name)
+        return self.marker + self.json_opening(name)
+
+    def json_opening(self, name: str | None) -> str:
+        return "[" + call_opening(name)
 
 
 _PARSERS: dict[str, type[ToolParser]] = {

@@ -102,6 +102,7 @@ def rollout_stats(
         "tool_parse_failures": 0.0,
         "tool_calls/raw_arguments": 0.0,
         "tool_calls/markup_removed": 0.0,
+        "tool_calls/parallel_dropped": 0.0,
         "time/wall": float(wall_time),
     }
     for e in rejected:
@@ -116,6 +117,7 @@ def rollout_stats(
         for key, name in (
             ("tool_calls_raw_arguments", "tool_calls/raw_arguments"),
             ("tool_markup_removed", "tool_calls/markup_removed"),
+            ("parallel_calls_dropped", "tool_calls/parallel_dropped"),
         ):
             value = e.export_stats.get(key)
             if isinstance(value, (int, float)):

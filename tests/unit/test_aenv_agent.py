@@ -51,6 +51,8 @@ def test_agent_options_validate_and_combine(aenv_config):
         AenvAgent({"url": "http://x"})
     with pytest.raises(ValueError, match="tool_error_policy"):
         AenvAgent(aenv_config, tool_error_policy="ignore")
+    with pytest.raises(ValueError, match="parallel_tool_calls must be true, false or unset"):
+        AenvAgent(aenv_config, parallel_tool_calls="no")
     with pytest.raises(ImportError, match="cannot import reward_fn"):
         resolve_reward_fn("tests.unit.test_aenv_agent:nope")
 

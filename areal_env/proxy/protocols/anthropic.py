@@ -140,6 +140,16 @@ def convert_tool_choice(raw: Any, tools: list[dict] | None) -> Any:
     return choice
 
 
+def _disable_parallel_tool_use(raw: Any) -> bool:
+    """``tool_choice.disable_parallel_tool_use`` (a boolean; at most one tool use when true)."""
+    value = raw.get("disable_parallel_tool_use") if isinstance(raw, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise common.bad_request(
+            "tool_choice.disable_parallel_tool_use: must be a boolean", "tool_choice"
+        )
+    return bool(value)
+
+
 def parse_request(body: Any) -> CompletionRequest:
     body = common.require_object(body)
     max_tokens = common.opt_int(body, "max_tokens", 1)
@@ -152,6 +162,7 @@ def parse_request(body: Any) -> CompletionRequest:
         messages=convert_messages(body.get("system"), body.get("messages")),
         tools=tools,
         tool_choice=convert_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=not _disable_parallel_tool_use(body.get("tool_choice")),
         max_tokens=max_tokens,
         temperature=common.opt_number(body, "temperature", 0.0, 1.0),
         top_p=common.opt_number(body, "top_p", 0.0, 1.0),

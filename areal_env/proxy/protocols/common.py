@@ -93,6 +93,9 @@ class CompletionRequest:
     """Choices to generate (OpenAI's ``n``): each its own branch of the session's tree."""
     output_format: OutputFormat | None = None
     """The reply must be JSON (matching a schema): constrained decoding."""
+    parallel_tool_calls: bool = True
+    """False: one tool call at most (OpenAI's ``parallel_tool_calls: false``, Anthropic's
+    ``tool_choice.disable_parallel_tool_use: true``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -188,6 +188,7 @@ def parse_request(body: Any) -> CompletionRequest:
         output_format=common.openai_output_format(
             body.get("response_format"), "response_format", nested=True
         ),
+        parallel_tool_calls=common.opt_bool(body, "parallel_tool_calls") is not False,
     )
 
 

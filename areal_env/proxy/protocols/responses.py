@@ -157,6 +157,7 @@ def parse_request(body: Any) -> CompletionRequest:
         # ``top_logprobs``; other ``include`` values (encrypted reasoning, ...) have nothing here
         logprobs=LOGPROBS_INCLUDE in (include or []) or bool(top_logprobs),
         top_logprobs=top_logprobs or 0,
+        parallel_tool_calls=common.opt_bool(body, "parallel_tool_calls") is not False,
     )
     prev = common.opt_str(body, "previous_response_id")
     if prev:
@@ -171,7 +172,7 @@ def parse_request(body: Any) -> CompletionRequest:
         "max_output_tokens": req.max_tokens,
         "previous_response_id": prev,
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": req.parallel_tool_calls,
         "store": True if store is None else store,
         "reasoning": {"effort": None, "summary": None, **(reasoning or {})},
         "text": {

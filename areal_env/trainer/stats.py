@@ -277,6 +277,8 @@ def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[st
                     "prompt": it.get("prompt_text"),
                     "completion": it.get("completion_text"),
                     "reward": it.get("reward"),
+                    # False: left out of the loss (set_reward train=false)
+                    "trained": it.get("trained", True),
                     "stop_reason": it.get("stop_reason"),
                     "prompt_len": it.get("num_prompt_tokens"),
                     "completion_len": it.get("num_output_tokens"),

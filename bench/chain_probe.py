@@ -38,12 +38,12 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from areal_env.engine.models import DEFAULT_MODEL, resolve_model_path
 from areal_env.envs.agent import DEFAULT_SYSTEM_PROMPT
+from areal_env.proxy.cache import Interaction
 from areal_env.proxy.render import ChatRenderer
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "aenv"
@@ -110,15 +110,20 @@ def second_turn_prompt(
         {"role": "user", "content": question},
     ]
     output_ids = renderer.tokenizer.encode(call_text, add_special_tokens=False)
-    parent = SimpleNamespace(
+    parent = Interaction(
         id="probe",
+        session_id="probe",
         messages=turn1,
+        tools=tools,
         output_message=call,
         prompt_ids=renderer.render_prompt(turn1, tools, "required"),
         output_ids=output_ids,
+        output_logprobs=[0.0] * len(output_ids),
+        output_versions=[0] * len(output_ids),
+        stop_reason="tool_calls",
     )
     tool = {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": result}
-    return renderer.render_extension(parent, [tool], tools, "auto")  # a duck-typed Interaction
+    return renderer.render_extension(parent, [tool], tools, "auto")
 
 
 class Probe:

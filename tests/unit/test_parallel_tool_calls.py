@@ -20,19 +20,8 @@ from areal_env.api.io import GenerationConfig, ModelRequest
 from areal_env.engine.json_end import JsonEnd
 from areal_env.engine.testing import Reply
 from tests.fixtures.proxy import export_session, open_session
+from tests.unit.test_proxy_malformed_output import ADD_TOOL as ADD
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 MSGS = [{"role": "user", "content": "Add 1 and 2, then 3 and 4."}]
 TWO_CALLS = (
     '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '

@@ -273,6 +273,16 @@ class RolloutConfig:
     signal_floor: float = 0.25
     """With ``prompt_sampling: signal``: the least weight of a group, as a share of the largest
     group's, so that unsolved and mastered groups are still visited."""
+    guide_key: str | None = None
+    """The dataset field that holds an item's reference solution as tool calls
+    (``[{"name", "arguments"}, ...]``, in order), for guided episodes (``guided_samples``)."""
+    guided_samples: int = 0
+    """How many of each group's ``n_samples`` training episodes are guided: their sampled
+    replies start with the reference solution's next call (written by the engine, trained with
+    the model's own logprobs, marked explored) while their calls follow it, then the model
+    answers alone. For steps the policy almost never samples, such as a tool chain's second
+    call (docs/training.md, "Guided episodes"). 0 = off; evaluation is never guided; engines
+    that cannot constrain (SGLang servers) sample guided replies freely."""
 
     def validate(self) -> None:
         for name in ("n_samples", "batch_size", "max_concurrent_rollouts"):
@@ -298,6 +308,21 @@ class RolloutConfig:
             )
         if not 0.0 < self.signal_floor <= 1.0:
             raise ConfigError(f"rollout.signal_floor={self.signal_floor!r} must be in (0, 1]")
+        if isinstance(self.guided_samples, bool) or not isinstance(self.guided_samples, int):
+            raise ConfigError(
+                f"rollout.guided_samples={self.guided_samples!r} must be an integer >= 0"
+            )
+        if not 0 <= self.guided_samples < self.n_samples:
+            raise ConfigError(
+                f"rollout.guided_samples={self.guided_samples!r} must be in [0, n_samples) = "
+                f"[0, {self.n_samples}): each group keeps at least one episode of the policy's "
+                "own to compare the guided ones with"
+            )
+        if self.guided_samples and not self.guide_key:
+            raise ConfigError(
+                "rollout.guided_samples needs rollout.guide_key: the dataset field that holds "
+                'each item\'s reference tool calls, [{"name": ..., "arguments": {...}}, ...]'
+            )
 
 
 @dataclass

@@ -32,6 +32,9 @@ class Episode:
     session's group id for workflow episodes, the group key for external sessions."""
     traj_index: int = 0
     """Its index among the members of its group."""
+    guided: bool = False
+    """Whether its session followed a reference solution's calls (``rollout.guided_samples``):
+    its reward says what the guide made possible, not what the policy does alone."""
     session_id: str | None = None
     accepted: bool = False
     reason: str | None = None
@@ -106,6 +109,7 @@ class Episode:
             "task_id": self.task_id,
             "group_id": self.group_id,
             "traj_index": self.traj_index,
+            "guided": self.guided,
             "session_id": self.session_id,
             "accepted": self.accepted,
             "reason": self.reason,

@@ -92,6 +92,12 @@ class GenerationConfig:
     policy's behalf (``call_exploration``): it reports the model's own logprob, so it is
     trained like a choice (a forced token otherwise reports 0 and is left out of the loss),
     and the row counts as explored (``GenerationResult.explored``)."""
+    prefix_guided: bool = False
+    """Every token of ``prefix_choices`` stands for the policy: the proxy writes a reference
+    solution's tool call into the reply (``/rl/start_session`` ``guide``). Each token, forced or
+    not, reports the model's own logprob, so it is trained like a sampled one (a forced token
+    otherwise reports 0 and is left out of the loss), and the row counts as explored
+    (``GenerationResult.explored``): a guided reply that did not pay is not pushed down."""
     stop_at_json_end: str | None = None
     """The output continues this JSON text (e.g. ``'[{"name": "'``): stop with the token that
     closes the value it opened, as guided decoding ends a ``tool_choice: required`` call.
@@ -136,6 +142,8 @@ class GenerationConfig:
             )
         if self.prefix_decision and not self.prefix_choices:
             raise ValueError("prefix_decision needs prefix_choices (the call starts it decides)")
+        if self.prefix_guided and not self.prefix_choices:
+            raise ValueError("prefix_guided needs prefix_choices (the reference call's tokens)")
         if not isinstance(self.json_end_depth, int) or self.json_end_depth < 0:
             raise ValueError(f"json_end_depth must be an integer >= 0, got {self.json_end_depth!r}")
         if self.stop is not None:

@@ -400,6 +400,7 @@ class LocalEngine:
                 choices=[list(c) for c in g.prefix_choices] if g.prefix_choices else None,
                 explore=float(g.choice_exploration),
                 decision_pending=bool(g.prefix_decision),
+                guided=bool(g.prefix_guided),
             ),
             json_end=(
                 JsonEnd(g.stop_at_json_end, g.json_end_depth)

@@ -33,6 +33,7 @@ class RowSampling:
     explore: float = 0.0  # GenerationConfig.choice_exploration
     explored: int = 0  # tokens this row took from the exploration draw so far
     decision_pending: bool = False  # GenerationConfig.prefix_decision, until the first token
+    guided: bool = False  # GenerationConfig.prefix_guided: every prefix token is the policy's
 
     def allowed(self, out_tokens: list[int]) -> list[int] | None:
         """Tokens allowed next after ``out_tokens`` (None = any): while the output is still a
@@ -139,7 +140,9 @@ def sample_rows_top(
 
     A row whose first token stands for a decision the proxy took for the policy
     (``decision_pending``, ``GenerationConfig.prefix_decision``) reports the model's logprob
-    for that token even when it was the only one allowed, and counts as explored.
+    for that token even when it was the only one allowed, and counts as explored. A guided row
+    (``guided``, ``GenerationConfig.prefix_guided``: the proxy writes a reference call) reports
+    the model's logprob for every token of its constrained start and counts as explored.
 
     A sampled constrained row with ``explore > 0`` (``GenerationConfig.choice_exploration``)
     replaces its draw, with that probability, by a uniform pick among the allowed tokens and
@@ -179,6 +182,9 @@ def sample_rows_top(
             if rows[i].decision_pending:  # the proxy's decision for the policy: a choice
                 report[i] = full[i]
                 rows[i].decision_pending = False
+                rows[i].explored += 1
+            elif rows[i].guided and isinstance(limits[i], list):  # a reference call's token
+                report[i] = full[i]
                 rows[i].explored += 1
     chosen = logp.argmax(dim=-1)  # greedy rows (and placeholder for the others)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]

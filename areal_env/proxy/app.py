@@ -24,6 +24,7 @@ from areal_env.http.body import read_json, request_key
 from areal_env.http.codec import json_response
 from areal_env.http.errors import HTTPError, bad_request, install_error_handlers
 from areal_env.proxy.cache import Interaction, InteractionCache
+from areal_env.proxy.guide import validate_guide
 from areal_env.proxy.pipeline import ProxyState
 from areal_env.proxy.protocols import anthropic, openai_chat, responses
 from areal_env.proxy.protocols.common import (
@@ -195,8 +196,13 @@ def _rl_routes(app: FastAPI, state: ProxyState) -> None:
                 raise bad_request(f"'{name}' must be a string or an integer", name)
             ids[name] = None if v is None else str(v)
         meta, sampling = _session_metadata(body), _session_sampling(body)
+        try:
+            guide = validate_guide(body.get("guide"))
+        except ValueError as e:
+            raise bad_request(str(e), "guide") from None
         session, key = state.registry.start(ids["task_id"], ids["group_id"], meta)
         session.sampling = sampling
+        session.guide = guide
         return json_response({"session_id": session.id, "api_key": key})
 
     @app.post(routes.SET_REWARD)
@@ -347,6 +353,7 @@ def _interaction_summary(
         "versions": [min(versions), max(versions)] if versions else [],
         "created_at": it.created_at,
         "sampling": it.extra.get("sampling"),
+        "guided": bool(it.extra.get("guided")),
         "tool_calls": names,
         "valid_tool_calls": sum(1 for n in names if n in offered),
         "tool_parse_error": bool(it.extra.get("tool_parse_error")),

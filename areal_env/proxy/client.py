@@ -99,6 +99,7 @@ class OpenAIProxyClient:
         metadata: dict[str, Any] | None = None,
         max_retries: int = 3,
         sampling: dict[str, Any] | None = None,
+        guide: list[dict[str, Any]] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith(routes.OPENAI_PREFIX):
@@ -111,6 +112,9 @@ class OpenAIProxyClient:
         self.metadata = metadata
         self.sampling = sampling
         """The session's own sampling parameters (e.g. ``{"greedy": True}`` for evaluation)."""
+        self.guide = guide
+        """A reference solution's tool calls the session's sampled replies start with
+        (``{"name", "arguments"}``; see ``areal_env.proxy.guide``)."""
         self.max_retries = max_retries
         self.session_id: str | None = None
         self.api_key: str | None = None
@@ -144,6 +148,8 @@ class OpenAIProxyClient:
             body["metadata"] = self.metadata
         if self.sampling:
             body["sampling"] = self.sampling
+        if self.guide:
+            body["guide"] = self.guide
         data = await _post(
             self.http, self.base_url + routes.START_SESSION, self._admin_key, body, self.max_retries
         )

@@ -34,6 +34,7 @@ from areal_env.engine.grammar import ConstraintError, schema_error
 from areal_env.engine.json_end import JsonEnd
 from areal_env.http.errors import HTTPError, bad_request
 from areal_env.proxy.cache import Interaction, InteractionCache, SessionLimitError
+from areal_env.proxy.guide import next_guided_step
 from areal_env.proxy.policies import PolicyEndpoint, PolicyRoute, PolicyRoutes, make_route
 from areal_env.proxy.protocols.common import (
     Answer,
@@ -44,7 +45,7 @@ from areal_env.proxy.protocols.common import (
     content_remainder,
     truncate_at_stop,
 )
-from areal_env.proxy.render import ChatRenderer, RenderError
+from areal_env.proxy.render import ChatRenderer, RenderError, RequiredCall
 from areal_env.proxy.sampling import Sampling, resolve_sampling
 from areal_env.proxy.sessions import Session, SessionRegistry
 
@@ -237,9 +238,18 @@ class ProxyState:
             if can_constrain
             else None
         )
+        guided = (
+            self._guided_start(route.renderer, session, creq)
+            if session.guide
+            and self.config.constrain_required
+            and constraint is None
+            and not sampling.greedy
+            else None
+        )
         explored_call = (
             route.renderer.explored_call(creq.tools, creq.parallel_tool_calls)
             if sampling.call_exploration > 0
+            and guided is None
             and can_constrain
             and required is None
             and creq.tool_choice in (None, "auto")
@@ -248,7 +258,7 @@ class ProxyState:
             and self._call_draw(creq.seed) < sampling.call_exploration
             else None
         )
-        start = required or explored_call  # the constrained start of the reply, if any
+        start = guided or required or explored_call  # the constrained start of the reply
         try:
             gconfig = GenerationConfig(
                 max_new_tokens=max_new,
@@ -262,6 +272,7 @@ class ProxyState:
                 prefix_choices=start.choices if start else None,
                 choice_exploration=sampling.choice_exploration if start else 0.0,
                 prefix_decision=explored_call is not None,
+                prefix_guided=guided is not None,
                 stop_at_json_end=start.json_start if start else None,
                 json_end_depth=start.json_depth if start else 0,
                 constraint=constraint,
@@ -282,6 +293,21 @@ class ProxyState:
             started=time.perf_counter(),
             call_close=start.close if start else "",
         )
+
+    @staticmethod
+    def _guided_start(
+        renderer: ChatRenderer, session: Session, creq: CompletionRequest
+    ) -> RequiredCall | None:
+        """The constrained start that writes the session's guide's next step into this reply
+        (``areal_env.proxy.guide``), or None: no step left, or the request cannot take it."""
+        step = next_guided_step(session.guide, creq.messages)
+        if step is None:
+            return None
+        if "content" in step:
+            return renderer.guided_answer(creq.tool_choice, step["content"])
+        if not creq.parse_tools:
+            return None
+        return renderer.guided_call(creq.tools, creq.tool_choice, step, creq.parallel_tool_calls)
 
     def _call_draw(self, seed: int | None) -> float:
         """A uniform draw for ``call_exploration``: from the request's seed when it has one, so
@@ -456,6 +482,7 @@ class ProxyState:
                 },
                 "logprob_temperature": prep.sampling.logprob_temperature,
                 "explored": result.explored,
+                "guided": prep.gconfig.prefix_guided,
                 # the tokens that were the only one allowed (logprob 0) are out of the loss mask
                 "constrained": prep.gconfig.prefix_choices is not None
                 or prep.gconfig.constraint is not None,

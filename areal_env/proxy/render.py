@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -508,6 +508,35 @@ class ChatRenderer:
         if not parallel and json_opening and not any(c in wrapper for c in "[]{}"):
             return self._one_call(choices, [end] if end else [], json_opening, "")
         return RequiredCall(choices, [end] if end else [], None)
+
+    def guided_call(
+        self, tools: Any, tool_choice: Any, call: dict[str, Any], parallel: bool = True
+    ) -> RequiredCall | None:
+        """A reply that starts with ``call`` (``{"name", "arguments"}``, a reference solution's
+        next call): the constraints of the reply the request allows (``required``: after the
+        prefill; ``auto``: from the first token), with the whole call up to the end of its
+        object as the one start allowed. None when the request cannot carry it: another
+        ``tool_choice``, ``call`` names no offered tool, or the family has no name slot."""
+        if tool_choice == "required":
+            start = self.required_call(tools, tool_choice, parallel)
+            opening = ""
+        elif tool_choice in (None, "auto"):
+            start = self.explored_call(tools, parallel)
+            opening = self._format.prefill(None)
+        else:
+            return None
+        offered = {t["function"]["name"] for t in self._offered_tools(tools, tool_choice)}
+        text = self._format.guided_call_text(call["name"], call["arguments"])
+        if start is None or text is None or call["name"] not in offered:
+            return None
+        return replace(start, choices=[self._encode(opening + text)])
+
+    def guided_answer(self, tool_choice: Any, content: str) -> RequiredCall | None:
+        """A reply that starts with the text ``content`` (a reference solution's final answer);
+        None where the request forces a call (``required`` or a named tool)."""
+        if tool_choice not in (None, "auto", "none"):
+            return None
+        return RequiredCall([self._encode(content)], [], None)
 
     def render_prompt(
         self, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None

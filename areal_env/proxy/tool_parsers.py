@@ -253,6 +253,13 @@ class ToolParser:
         when this family has no open name slot to constrain."""
         return []
 
+    def guided_call_text(self, name: str, arguments: dict[str, Any]) -> str | None:
+        """The text that follows ``prefill(None)`` in a call of ``name`` with ``arguments``, up
+        to the end of the call's object (what comes after it, a list's ``]`` or the closing tag,
+        is the model's): the reference call a guided reply is made to start with. None when
+        this family has no open name slot to write it into."""
+        return None
+
     def instructions(self, tools: list[dict[str, Any]], tool_choice: Any = None) -> str:
         """System-prompt text that offers ``tools`` and teaches this family's call format."""
         specs = function_specs(tools)
@@ -369,6 +376,10 @@ class HermesParser(ToolParser):
             args = "{" + (json.dumps(first, ensure_ascii=False) + ": " if first else "")
             out.append(f'{name}", "arguments": {args}')
         return out
+
+    def guided_call_text(self, name: str, arguments: dict[str, Any]) -> str | None:
+        quoted = json.dumps(name, ensure_ascii=False)[1:-1]
+        return f'{quoted}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}'
 
 
 class QwenParser(HermesParser):

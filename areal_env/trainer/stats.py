@@ -259,6 +259,7 @@ def dump_lines(episodes: list[Episode], version: int, step: int) -> list[dict[st
             "step": step,
             "group_id": ep.group_id,
             "traj_index": ep.traj_index,
+            "guided": ep.guided,
             "session_id": ep.session_id,
             "accepted": ep.accepted,
             "reason": ep.reason,

@@ -131,6 +131,12 @@ def rollout_stats(
     stats["reward/std"] = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
     stats["reward/min"] = min(rewards)
     stats["reward/max"] = max(rewards)
+    guided = [e.mean_reward for e in episodes if e.guided]
+    if guided:  # guided episodes lift the mean: the policy's own reward is the unguided one
+        own = [e.mean_reward for e in episodes if not e.guided]
+        stats["episodes/guided"] = float(len(guided))
+        stats["reward/guided_mean"] = sum(guided) / len(guided)
+        stats["reward/unguided_mean"] = sum(own) / len(own) if own else 0.0
     for g in groups:
         rs = [e.mean_reward for e in g]
         if len(rs) > 1 and max(rs) - min(rs) < 1e-8:

@@ -21,6 +21,7 @@ from areal_env.api.workflow import RolloutWorkflow
 from areal_env.workflow.batch import episode_rows
 from areal_env.workflow.proxy_workflow import (
     current_group_id,
+    current_member_index,
     episode_sink,
     log_rejection,
     record_episode,
@@ -38,17 +39,21 @@ async def run_member(
 
     Proxy workflows record their episodes themselves (rows included); for any other workflow
     the rows it returned become one episode here."""
-    with episode_sink() as sink:
-        try:
-            out = episode_rows(await workflow.arun_episode(engine, data))
-            error = None
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            out = None
-            error = f"{type(e).__name__}: {e}"
-            log_rejection("workflow_error", error, traceback.format_exc())
-        episodes = list(sink)
+    member = current_member_index.set(traj_index)
+    try:
+        with episode_sink() as sink:
+            try:
+                out = episode_rows(await workflow.arun_episode(engine, data))
+                error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                out = None
+                error = f"{type(e).__name__}: {e}"
+                log_rejection("workflow_error", error, traceback.format_exc())
+            episodes = list(sink)
+    finally:
+        current_member_index.reset(member)
     if not episodes:
         episodes = [
             Episode(

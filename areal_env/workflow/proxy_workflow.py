@@ -53,6 +53,10 @@ _EPISODE_SINK: contextvars.ContextVar[list[Episode] | None] = contextvars.Contex
 current_group_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "areal_env_group_id", default=None
 )
+#: Set by GroupedRolloutWorkflow: the member's index in its group (who is guided).
+current_member_index: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "areal_env_member_index", default=None
+)
 
 
 @contextlib.contextmanager
@@ -317,9 +321,22 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         record_episode(ep)
         return result
 
+    def _guide(self, data: Any) -> list[dict[str, Any]] | None:
+        """The reference calls this episode is guided by: the data's ``rollout.guide_key``
+        field for the first ``rollout.guided_samples`` members of a training group, else None
+        (evaluation is never guided)."""
+        key, n = self.rollout.guide_key, self.rollout.guided_samples
+        index = current_member_index.get()
+        if self.eval_mode or not key or not n or index is None or index >= n:
+            return None
+        guide = data.get(key) if isinstance(data, dict) else None
+        return guide or None
+
     async def _episode(self, data: dict[str, Any], ep: Episode) -> list[TrainingRow] | None:
         from areal_env.proxy.client import OpenAIProxyClient
 
+        guide = self._guide(data)
+        ep.guided = guide is not None
         async with OpenAIProxyClient(
             self.proxy_base_url,
             self.admin_key,
@@ -327,6 +344,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             task_id=ep.task_id,
             group_id=ep.group_id,
             sampling=dict(self.EVAL_SAMPLING) if self.eval_mode else None,
+            guide=guide,
         ) as session:
             ep.session_id = session.session_id
             try:

@@ -258,6 +258,12 @@ def generate(
                 # the calls of a right solution (tool, a, b, result): what a checker of
                 # intermediate calls can verify (see env_tools.reward)
                 "steps": [list(x) for x in steps],
+                # the same solution as tool calls and the answer: what a guided episode
+                # follows (rollout.guide_key / guided_samples, docs/training.md)
+                "reference": [
+                    *({"name": tool, "arguments": {"a": a, "b": b}} for tool, a, b, _ in steps),
+                    {"content": str(answer)},
+                ],
             }
         )
     return out

@@ -64,7 +64,7 @@ def validate_guide(value: Any) -> list[dict[str, Any]] | None:
 def _calls_made(messages: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
     """The ``(name, arguments)`` of every tool call the assistant made in ``messages``, in
     order; arguments given as JSON text are parsed (unreadable text stays text)."""
-    made = []
+    made: list[tuple[Any, Any]] = []
     for message in messages:
         if message.get("role") != "assistant":
             continue

@@ -274,13 +274,14 @@ class RolloutConfig:
     """With ``prompt_sampling: signal``: the least weight of a group, as a share of the largest
     group's, so that unsolved and mastered groups are still visited."""
     guide_key: str | None = None
-    """The dataset field that holds an item's reference solution as tool calls
-    (``[{"name", "arguments"}, ...]``, in order), for guided episodes (``guided_samples``)."""
+    """The dataset field that holds an item's reference solution: its tool calls
+    ``{"name", "arguments"}`` in order, optionally ending with the answer ``{"content"}``, for
+    guided episodes (``guided_samples``)."""
     guided_samples: int = 0
     """How many of each group's ``n_samples`` training episodes are guided: their sampled
-    replies start with the reference solution's next call (written by the engine, trained with
-    the model's own logprobs, marked explored) while their calls follow it, then the model
-    answers alone. For steps the policy almost never samples, such as a tool chain's second
+    replies start with the reference solution's next step (written by the engine, trained with
+    the model's own logprobs, marked explored) while their calls follow it; past it the model
+    replies alone. For steps the policy almost never samples, such as a tool chain's second
     call (docs/training.md, "Guided episodes"). 0 = off; evaluation is never guided; engines
     that cannot constrain (SGLang servers) sample guided replies freely."""
 
@@ -321,7 +322,7 @@ class RolloutConfig:
         if self.guided_samples and not self.guide_key:
             raise ConfigError(
                 "rollout.guided_samples needs rollout.guide_key: the dataset field that holds "
-                'each item\'s reference tool calls, [{"name": ..., "arguments": {...}}, ...]'
+                'each item\'s reference solution, [{"name": ..., "arguments": {...}}, ..., {"content": ...}]'
             )
 
 

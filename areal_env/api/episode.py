@@ -33,7 +33,7 @@ class Episode:
     traj_index: int = 0
     """Its index among the members of its group."""
     guided: bool = False
-    """Whether its session followed a reference solution's calls (``rollout.guided_samples``):
+    """Whether its session carried a reference solution (``rollout.guided_samples``):
     its reward says what the guide made possible, not what the policy does alone."""
     session_id: str | None = None
     accepted: bool = False

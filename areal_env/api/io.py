@@ -94,7 +94,7 @@ class GenerationConfig:
     and the row counts as explored (``GenerationResult.explored``)."""
     prefix_guided: bool = False
     """Every token of ``prefix_choices`` stands for the policy: the proxy writes a reference
-    solution's tool call into the reply (``/rl/start_session`` ``guide``). Each token, forced or
+    solution's step (a tool call, or the answer) into the reply (``/rl/start_session`` ``guide``). Each token, forced or
     not, reports the model's own logprob, so it is trained like a sampled one (a forced token
     otherwise reports 0 and is left out of the loss), and the row counts as explored
     (``GenerationResult.explored``): a guided reply that did not pay is not pushed down."""
@@ -143,7 +143,7 @@ class GenerationConfig:
         if self.prefix_decision and not self.prefix_choices:
             raise ValueError("prefix_decision needs prefix_choices (the call starts it decides)")
         if self.prefix_guided and not self.prefix_choices:
-            raise ValueError("prefix_guided needs prefix_choices (the reference call's tokens)")
+            raise ValueError("prefix_guided needs prefix_choices (the reference step's tokens)")
         if not isinstance(self.json_end_depth, int) or self.json_end_depth < 0:
             raise ValueError(f"json_end_depth must be an integer >= 0, got {self.json_end_depth!r}")
         if self.stop is not None:

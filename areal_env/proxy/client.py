@@ -113,8 +113,9 @@ class OpenAIProxyClient:
         self.sampling = sampling
         """The session's own sampling parameters (e.g. ``{"greedy": True}`` for evaluation)."""
         self.guide = guide
-        """A reference solution's tool calls the session's sampled replies start with
-        (``{"name", "arguments"}``; see ``areal_env.proxy.guide``)."""
+        """A reference solution the session's sampled replies follow: its calls
+        ``{"name", "arguments"}``, optionally then the answer ``{"content"}``
+        (``areal_env.proxy.guide``)."""
         self.max_retries = max_retries
         self.session_id: str | None = None
         self.api_key: str | None = None

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 #: Most steps one guide may hold (a bound on what a request body can make the proxy keep).
-MAX_GUIDE_CALLS = 64
+MAX_GUIDE_STEPS = 64
 
 
 def validate_guide(value: Any) -> list[dict[str, Any]] | None:
@@ -36,8 +36,8 @@ def validate_guide(value: Any) -> list[dict[str, Any]] | None:
             '\'guide\' must be a list of tool calls {"name", "arguments"}, optionally ending '
             'with the answer {"content"}'
         )
-    if len(value) > MAX_GUIDE_CALLS:
-        raise ValueError(f"'guide' holds {len(value)} steps; at most {MAX_GUIDE_CALLS}")
+    if len(value) > MAX_GUIDE_STEPS:
+        raise ValueError(f"'guide' holds {len(value)} steps; at most {MAX_GUIDE_STEPS}")
     out: list[dict[str, Any]] = []
     for i, step in enumerate(value):
         if isinstance(step, dict) and set(step) == {"content"}:

@@ -482,7 +482,8 @@ class ProxyState:
                 },
                 "logprob_temperature": prep.sampling.logprob_temperature,
                 "explored": result.explored,
-                "guided": prep.gconfig.prefix_guided,
+                # the engine wrote a guide's step (engines that cannot constrain do not)
+                "guided": prep.gconfig.prefix_guided and result.explored > 0,
                 # the tokens that were the only one allowed (logprob 0) are out of the loss mask
                 "constrained": prep.gconfig.prefix_choices is not None
                 or prep.gconfig.constraint is not None,

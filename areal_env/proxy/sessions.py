@@ -77,9 +77,10 @@ class Session:
     sampling: dict[str, Any] | None = None
     """This session's own sampling parameters (e.g. greedy for evaluation); see proxy.sampling."""
     guide: list[dict[str, Any]] | None = None
-    """A reference solution's tool calls (``{"name", "arguments"}``, in order) that the sampled
-    replies of this session are made to start with while its calls follow them
-    (``/rl/start_session`` ``guide``; docs/training.md, "Guided episodes")."""
+    """A reference solution's steps (calls ``{"name", "arguments"}`` in order, optionally then
+    the answer ``{"content"}``) that the sampled replies of this session are made to start with
+    while its calls follow them (``/rl/start_session`` ``guide``; docs/training.md, "Guided
+    episodes")."""
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     ended: bool = False

@@ -322,7 +322,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         return result
 
     def _guide(self, data: Any) -> list[dict[str, Any]] | None:
-        """The reference calls this episode is guided by: the data's ``rollout.guide_key``
+        """The reference solution this episode is guided by: the data's ``rollout.guide_key``
         field for the first ``rollout.guided_samples`` members of a training group, else None
         (evaluation is never guided)."""
         key, n = self.rollout.guide_key, self.rollout.guided_samples

@@ -33,8 +33,9 @@ class Episode:
     traj_index: int = 0
     """Its index among the members of its group."""
     guided: bool = False
-    """Whether its session carried a reference solution (``rollout.guided_samples``):
-    its reward says what the guide made possible, not what the policy does alone."""
+    """Whether the engine wrote steps of a reference solution into its replies
+    (``rollout.guided_samples``): its reward says what the guide made possible, not what the
+    policy does alone."""
     session_id: str | None = None
     accepted: bool = False
     reason: str | None = None

@@ -233,17 +233,17 @@ class ProxyState:
         max_new = max(1, min(sampling.max_new_tokens, context_len - n_prompt))
         constraint = self.constraint(creq, route.renderer)
         can_constrain = self.config.constrain_required and creq.parse_tools and constraint is None
-        required = (
-            route.renderer.required_call(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
-            if can_constrain
-            else None
-        )
         guided = (
             self._guided_start(route.renderer, session, creq)
             if session.guide
             and self.config.constrain_required
             and constraint is None
             and not sampling.greedy
+            else None
+        )
+        required = (
+            route.renderer.required_call(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
+            if can_constrain and guided is None
             else None
         )
         explored_call = (

@@ -336,7 +336,6 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         from areal_env.proxy.client import OpenAIProxyClient
 
         guide = self._guide(data)
-        ep.guided = guide is not None
         async with OpenAIProxyClient(
             self.proxy_base_url,
             self.admin_key,
@@ -394,6 +393,8 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
 
     def _to_rows(self, exported: dict[str, Any], ep: Episode) -> list[TrainingRow] | None:
         ep.interactions = list(exported.get("interactions") or [])
+        # guided where the engine wrote a step of the guide (engines that cannot constrain do not)
+        ep.guided = any(it.get("guided") for it in ep.interactions)
         ep.export_stats = dict(exported.get("stats") or {})
         ep.rows = rows_from_export(exported.get("trajectories") or {})
         if not ep.rows:

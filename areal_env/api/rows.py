@@ -56,6 +56,11 @@ class TrainingRow:
     (a verifier's credit for a right tool call), or ``rollout.discount < 1``. ``reward`` is then
     the return of the row's first turn. ``None``: every token earns ``reward``."""
 
+    guided: list[int] | None = None
+    """Per token, 1 where a session's guide wrote the turn (``rollout.guided_samples``: a
+    reference solution's step, not the model's own choice), else 0; ``None`` when no turn of the
+    row was guided. ``actor.guided_nll_coef`` imitates these tokens."""
+
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         for name in ROW_FIELDS[1:]:
@@ -72,6 +77,8 @@ class TrainingRow:
                 raise ValueError(f"row returns has {len(self.returns)} entries, input_ids has {n}")
             if not all(math.isfinite(x) for x in self.returns):
                 raise ValueError("row returns must be finite numbers")
+        if self.guided is not None and len(self.guided) != n:
+            raise ValueError(f"row guided has {len(self.guided)} entries, input_ids has {n}")
 
     @classmethod
     def from_dict(cls, row: Mapping[str, Any], *, traj_id: int = 0) -> TrainingRow:
@@ -88,6 +95,7 @@ class TrainingRow:
             explored=bool(row.get("explored", False)),
             policy=_policy(row.get("policy")),
             returns=_returns(row.get("returns")),
+            guided=_guided(row.get("guided")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +120,14 @@ def _policy(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value or None
     raise ValueError(f"row policy must be a policy name (a string), got {value!r}")
+
+
+def _guided(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or any(x not in (0, 1) for x in value):
+        raise ValueError("row guided must be a list of 0/1 flags, one per token")
+    return [int(x) for x in value] if any(value) else None
 
 
 def _returns(value: Any) -> list[float] | None:

@@ -6,7 +6,8 @@ proxy that records every completion. One episode:
 
 1. open an environment instance (``AenvEnvironmentAdapter``) and list its tools;
 2. chat: the model answers or calls tools; tool calls run in the environment and their results
-   go back as ``tool`` messages; stop at a reply without tool calls (the final answer) or after
+   go back as ``tool`` messages; stop at a reply without tool calls (the final answer), at a
+   call of the answer tool (``answer_tool``: its argument is the final answer) or after
    ``max_turns`` model calls;
 3. reward: the environment's ``@register_reward`` function (or ``reward_fn``);
 4. release the environment (always) and return the reward as a float.
@@ -18,6 +19,7 @@ rejects the episode (training goes on without it).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -37,6 +39,40 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a careful assistant. Use the tools to compute. When you know the answer, "
     "reply with the final number only."
 )
+
+
+ANSWER_ARGUMENT = "answer"
+"""The answer tool's one parameter: the final answer, as text."""
+
+
+def answer_tool_schema(name: str) -> dict[str, Any]:
+    """The OpenAI function the agent adds when it has an answer tool (``answer_tool``)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "Give the final answer. Call this once you know it; it ends the task.",
+            "parameters": {
+                "type": "object",
+                "properties": {ANSWER_ARGUMENT: {"type": "string", "description": "the answer"}},
+                "required": [ANSWER_ARGUMENT],
+            },
+        },
+    }
+
+
+def answer_text(raw_arguments: str | None) -> str:
+    """The final answer an answer-tool call gives: its ``answer`` argument as text (a number the
+    model wrote unquoted becomes its JSON text); the raw arguments when they are not a JSON
+    object with that key, so that the reward still sees what the model said."""
+    try:
+        args = json.loads(raw_arguments or "")
+    except ValueError:
+        return raw_arguments or ""
+    if not isinstance(args, dict) or ANSWER_ARGUMENT not in args:
+        return raw_arguments or ""
+    value = args[ANSWER_ARGUMENT]
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class ToolErrorRaised(RuntimeError):
@@ -64,6 +100,13 @@ class AenvAgent(EnvAgentBase):
         parallel_tool_calls: sent with every request that offers tools when set; ``False``: at
             most one call per reply (the proxy ends a reply with its first call), so a weak
             model's run-on list of calls cannot spoil a right first one.
+        answer_tool: the name of a tool the agent adds to the environment's (one string
+            parameter, ``answer``): calling it ends the episode, and its argument is the final
+            answer. With ``tool_choice: required`` every reply is then a call, and whether to
+            call another tool or to answer becomes a choice among tool names, which the
+            trainer can explore (``gconfig.choice_exploration``) like any other tool choice.
+            The call never reaches the environment and is not among the reward's
+            ``tool_calls``. Default: none (the answer is a reply without tool calls).
     """
 
     def __init__(
@@ -74,6 +117,7 @@ class AenvAgent(EnvAgentBase):
         tool_choice: str | dict[str, Any] | None = None,
         first_turn_tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        answer_tool: str | None = None,
         **options: Any,
     ) -> None:
         # ``options`` are ``EnvAgentBase``'s keyword arguments (documented above), unchanged.
@@ -85,6 +129,11 @@ class AenvAgent(EnvAgentBase):
                 f"parallel_tool_calls must be true, false or unset, got {parallel_tool_calls!r}"
             )
         self.parallel_tool_calls = parallel_tool_calls
+        if answer_tool is not None and not (isinstance(answer_tool, str) and answer_tool.strip()):
+            raise ValueError(
+                f"answer_tool must be a tool name (a non-empty string), got {answer_tool!r}"
+            )
+        self.answer_tool = answer_tool
 
     # ------------------------------------------------------------------------------------------
     async def run(
@@ -120,6 +169,13 @@ class AenvAgent(EnvAgentBase):
         self, client: Any, model: str, env: ToolEnvironment, data: dict[str, Any]
     ) -> EpisodeOutcome:
         tools, name_map = await env.openai_tools()
+        if self.answer_tool is not None:
+            if self.answer_tool in name_map:
+                raise ValueError(
+                    f"answer_tool {self.answer_tool!r} is also a tool of {env.where}: "
+                    "give the answer tool another name"
+                )
+            tools = [*tools, answer_tool_schema(self.answer_tool)]
         messages = initial_messages(data, self.system_prompt)
         tool_log: list[dict[str, Any]] = []
         final_answer: str | None = None
@@ -151,6 +207,10 @@ class AenvAgent(EnvAgentBase):
             messages.append(assistant)
             if not calls:
                 final_answer = msg.content or ""
+                break
+            answer = next((c for c in calls if c.function.name == self.answer_tool), None)
+            if answer is not None:  # the answer ends the episode; calls beside it are not run
+                final_answer = answer_text(answer.function.arguments)
                 break
             for call in calls:
                 messages.append(await self._run_tool(env, name_map, call, tool_log))

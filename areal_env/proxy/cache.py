@@ -477,11 +477,13 @@ class InteractionCache:
         t_end = float(it.extra.get("logprob_temperature", 1.0))
         temps: list[float] | None = None
         explored = bool(it.extra.get("explored"))
+        guided = [0] * n_prompt + [int(bool(it.extra.get("guided")))] * n_out
         for start, length, ancestor_id in spans:
             anc = self._items[ancestor_id]
             if anc.policy != it.policy:
                 continue  # another policy's output: prompt to this row
             explored = explored or bool(anc.extra.get("explored"))
+            guided[start : start + length] = [int(bool(anc.extra.get("guided")))] * length
             loss_mask[start : start + length] = _trained(anc)
             logprobs[start : start + length] = anc.output_logprobs
             versions[start : start + length] = anc.output_versions
@@ -504,6 +506,8 @@ class InteractionCache:
             "temperature": temps if temps is not None else t_end,
             # Some trained token was picked by gconfig.choice_exploration, not by the model.
             "explored": explored,
+            # Per token, 1 where a guide wrote the turn (rollout.guided_samples); None: no turn.
+            "guided": guided if any(guided) else None,
             "policy": it.policy,
         }
 

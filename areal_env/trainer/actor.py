@@ -441,6 +441,12 @@ class PPOActor:
         behav = batch["logprobs"].float()
         if a.weight_negatives_by_prob:
             adv = weight_negatives_by_prob(adv, behav)
+        guided = batch.get("guided")
+        imitate = (
+            guided.bool() & mask.bool() & (adv > 0)
+            if a.guided_nll_coef > 0 and isinstance(guided, torch.Tensor)
+            else None
+        )
         t0 = time.perf_counter()
         stats: dict[str, float] = {
             "adv/groups": float(astats.n_groups),
@@ -450,6 +456,8 @@ class PPOActor:
             "adv/abs_mean": float(adv[mask].abs().mean()) if mask.any() else 0.0,
             "adv/explored_failures_dropped": float(n_dropped),
         }
+        if imitate is not None:
+            stats["actor/imitated_tokens"] = float(imitate.sum())
         pb = PreparedBatch(
             input_ids=batch["input_ids"].long(),
             attention_mask=attn,
@@ -461,6 +469,7 @@ class PPOActor:
             ref_logp=None,
             stats=stats,
             temps=self.row_temperatures(batch),
+            imitate=imitate,
         )
         stats["time/recompute_s"] = time.perf_counter() - t0
         if score:
@@ -645,6 +654,9 @@ class PPOActor:
             # minibatch): only the forks get the policy gradient, KL and entropy terms stay
             kept = high_entropy_mask(ent, a.high_entropy_token_share)
             adv = adv * kept
+        imitated = pb.imitate[idx, :width][sel].to(dev) if pb.imitate is not None else None
+        if imitated is not None:  # a demonstration: its NLL below, not the clipped surrogate
+            adv = adv.masked_fill(imitated, 0.0)
         behav = None
         if a.use_decoupled_loss:
             behav = pb.behav_logp[idx, :width][sel].to(dev)
@@ -663,6 +675,8 @@ class PPOActor:
             entropy=ent,
             entropy_coef=a.entropy_coef,
         )
+        if imitated is not None:
+            loss = loss - a.guided_nll_coef * logp * imitated
         if self.trace is not None:
             self.trace.scored(rows, m, logp, diag["clipped"])
         out = {k: float(v.sum()) for k, v in diag.items()}

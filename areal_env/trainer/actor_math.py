@@ -278,6 +278,7 @@ class PreparedBatch:
     ref_logp: torch.Tensor | None
     stats: dict[str, float]
     temps: torch.Tensor | float = 1.0  # [B, L] per-token sampling temperatures, or one value
+    imitate: torch.Tensor | None = None  # [B, L] guided tokens trained by NLL (guided_nll_coef)
 
 
 @dataclass

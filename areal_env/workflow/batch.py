@@ -24,7 +24,8 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
     int32, ``logprobs`` float32, ``versions`` int32, and ``rewards`` float32, ``group_ids`` /
     ``traj_ids`` int64 [B], ``explored`` bool [B], ``temperatures`` float32 [B, L] (each
     token's sampling temperature), ``token_rewards`` float32 [B, L] (each token's return: the
-    row's ``returns``, else its reward on every token). ``ValueError`` for no rows."""
+    row's ``returns``, else its reward on every token), and ``guided`` bool [B, L] when some
+    row has guided tokens (``TrainingRow.guided``). ``ValueError`` for no rows."""
     if not rows:
         raise ValueError("collate needs at least one row")
     b, width = len(rows), max(r.num_tokens for r in rows)
@@ -58,6 +59,11 @@ def collate(rows: Sequence[TrainingRow]) -> dict[str, torch.Tensor]:
             out["token_rewards"][i, :n] = torch.as_tensor(r.returns, dtype=torch.float32)
         else:
             out["token_rewards"][i, :n] = float(r.reward)
+    if any(r.guided for r in rows):
+        out["guided"] = torch.zeros(b, width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r.guided:
+                out["guided"][i, : r.num_tokens] = torch.as_tensor(r.guided, dtype=torch.bool)
     return out
 
 
@@ -172,9 +178,18 @@ def rows_of_tensor_dict(td: Mapping[str, Any]) -> list[TrainingRow]:
                 temperature=_row_temperature(td.get("temperatures"), i, n),
                 explored=bool(td["explored"][i]) if "explored" in td else False,
                 returns=_row_returns(td.get("token_rewards"), rewards, i, n),
+                guided=_row_guided(td.get("guided"), i, n),
             )
         )
     return rows
+
+
+def _row_guided(guided: Any, i: int, n: int) -> list[int] | None:
+    """Row ``i``'s per-token guided flags from a padded ``guided`` tensor (None: none)."""
+    if guided is None:
+        return None
+    flags = [int(bool(x)) for x in guided[i, :n].tolist()]
+    return flags if any(flags) else None
 
 
 def _row_returns(token_rewards: Any, rewards: Any, i: int, n: int) -> list[float] | None:

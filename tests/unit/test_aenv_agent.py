@@ -325,3 +325,75 @@ def test_episode_reward_reads_call_rewards_and_says_what_is_wrong():
     # ... unless it was right anyway (the model worked it out itself): then it is paid
     right_anyway = EpisodeReward(1.0, (0.0, 0.0, 0.0), answer_in_reach=False)
     assert right_anyway.per_completion(outcome) == 1.0
+
+
+# -------------------------------------------------------------------------- the answer tool
+
+
+def test_answer_tool_text_and_validation(aenv_config):
+    from areal_env.envs.agent import answer_text, answer_tool_schema
+
+    assert answer_text('{"answer": "862"}') == "862"
+    assert answer_text('{"answer": 862}') == "862"  # written unquoted: its JSON text
+    assert answer_text('{"answer": 2.5}') == "2.5"
+    assert answer_text('{"value": 1}') == '{"value": 1}'  # not the schema: what the model said
+    assert answer_text('{"answer": 1') == '{"answer": 1'
+    assert answer_text(None) == ""
+    fn = answer_tool_schema("submit")["function"]
+    assert fn["name"] == "submit" and fn["parameters"]["required"] == ["answer"]
+    with pytest.raises(ValueError, match="answer_tool must be a tool name"):
+        AenvAgent(aenv_config, answer_tool="  ")
+
+
+async def test_answer_tool_named_like_an_environment_tool_is_refused(aenv_config):
+    agent = AenvAgent(aenv_config, answer_tool="add")
+    async with AenvEnvironmentAdapter(aenv_config) as env:
+        with pytest.raises(ValueError, match="'add' is also a tool of .*another name"):
+            await agent._episode(None, "m", env, {"question": "q"})
+
+
+@pytest.mark.slow
+async def test_answer_tool_ends_the_episode_through_the_real_proxy(proxy_server, aenv_config):
+    """A real model makes a real call, then answers through the answer tool (both calls are
+    forced by name): the answer call is not run in the environment, its argument is the final
+    answer the environment's reward grades, and both completions are recorded."""
+    from tests.fixtures.proxy import export_session, open_session
+
+    seen: list[dict] = []
+
+    async def reward_fn(final_answer, tool_calls, messages, data, env):
+        seen.append({"final": final_answer, "tools": tool_calls, "messages": messages})
+        out = await env.call_reward(
+            {"final_answer": final_answer, "task": data, "tool_calls": tool_calls}
+        )
+        return out["reward"]
+
+    agent = AenvAgent(
+        aenv_config,
+        max_turns=4,
+        max_tokens=32,
+        temperature=0.0,
+        first_turn_tool_choice={"type": "function", "function": {"name": "add"}},
+        tool_choice={"type": "function", "function": {"name": "submit"}},
+        answer_tool="submit",
+        reward_fn=reward_fn,
+    )
+    item = {"question": "What is 17 + 25?", "answer": 42}
+    sid, key = open_session(proxy_server)
+    reward = await agent.run(item, base_url=proxy_server.base_url + "/v1", api_key=key)
+    (ep,) = seen
+    assert [t["name"] for t in ep["tools"]] == ["add"]  # the answer is not an environment call
+    last = ep["messages"][-1]
+    assert last["role"] == "assistant" and last["tool_calls"][0]["function"]["name"] == "submit"
+    assert ep["final"] == answer_text_of(last)
+    assert reward == float(ep["final"].strip() == "42")
+    offered = ep["messages"]  # the conversation ends at the answer: no tool result after it
+    assert sum(1 for m in offered if m["role"] == "tool") == 1
+    exported = await asyncio.to_thread(export_session, proxy_server, sid)
+    assert len(exported["interactions"]) == 2
+
+
+def answer_text_of(message: dict) -> str:
+    from areal_env.envs.agent import answer_text
+
+    return answer_text(message["tool_calls"][0]["function"]["arguments"])

@@ -155,11 +155,19 @@ def test_a_guided_session_takes_the_reference_steps_then_replies_alone(trainer_p
         row = rows[info["id"]]
         assert row["explored"] is explored
         out = slice(info["num_prompt_tokens"], None)
+        # the tokens a guide wrote are flagged (actor.guided_nll_coef imitates them)
+        n_out = len(row["input_ids"]) - info["num_prompt_tokens"]
+        expect = [0] * info["num_prompt_tokens"] + [1] * n_out if explored else None
+        assert row["guided"] == expect
         if explored:  # every written token is in the loss with the model's own logprob,
             # but for those the model was certain of (logprob 0.0 in float32: no gradient)
             pairs = list(zip(row["logprobs"][out], row["loss_mask"][out], strict=True))
             assert sum(m for _, m in pairs) >= 1
             assert all((m == 1 and lp < 0) or (m == 0 and lp == 0.0) for lp, m in pairs)
+    # one concat row for the whole conversation: its guided turns' tokens flagged, its own not
+    (row,) = export_session(proxy, sid, style="concat")["trajectories"].values()
+    n_guided = sum(sum(rows[i["id"]]["guided"] or []) for i in infos)
+    assert sum(row["guided"]) == n_guided and row["guided"][-1] == 0
 
 
 def test_guides_are_checked_and_never_steer_greedy_or_a_conversation_that_left_them(

@@ -496,3 +496,40 @@ def test_adam_eps_reaches_the_optimiser_and_each_policy(model_path):
     assert PolicyConfig().optimiser_overrides() == {}
     with pytest.raises(ConfigError, match="adam_eps"):
         ActorConfig(adam_eps=0.0).validate()
+
+
+def test_guided_tokens_that_paid_are_imitated(actor_and_batch):
+    """With actor.guided_nll_coef, a guide-written token with a positive advantage is trained by
+    its negative log-likelihood (no clip), not the PPO surrogate; a guided token whose episode
+    did not pay, and the model's own tokens, keep the surrogate."""
+    actor, batch = actor_and_batch
+    mask = batch["loss_mask"].bool()
+    ref_lp = _ref_logprobs(actor.model, batch, 0.7)
+    guided = torch.zeros_like(mask)
+    guided[0] = mask[0]  # paid (reward 1): imitated
+    guided[1] = mask[1]  # did not pay: not imitated
+    guided[2, :] = mask[2] & (torch.arange(mask.shape[1]) % 2 == 0)  # part of a paid row
+    batch = {**batch, "logprobs": ref_lp, "guided": guided}
+    assert actor.prepare(batch).imitate is None  # off by default
+    actor.cfg.guided_nll_coef = 0.5
+    try:
+        pb = actor.prepare(batch)
+        assert torch.equal(pb.imitate, guided & mask & torch.tensor([1, 0, 1, 0]).bool()[:, None])
+        assert pb.stats["actor/imitated_tokens"] == float(pb.imitate.sum())
+        with torch.no_grad():
+            loss_sum, _ = actor._micro_loss(pb, [0])
+        # the ratio is 1 (behaviour = current logprobs): the surrogate would be -adv per token
+        expect = -0.5 * float(ref_lp[0][mask[0]].sum())
+        assert float(loss_sum) == pytest.approx(expect, rel=1e-3)
+        with torch.no_grad():
+            loss_sum, _ = actor._micro_loss(pb, [2])
+        own = mask[2] & ~guided[2]
+        adv2 = float(pb.adv[2][mask[2]][0])
+        expect = -0.5 * float(ref_lp[2][guided[2]].sum()) - adv2 * int(own.sum())
+        assert float(loss_sum) == pytest.approx(expect, rel=1e-3)
+        stats = actor.update(batch, step=5)
+        assert stats["actor/update_skipped"] == 0.0 and stats["actor/imitated_tokens"] > 0
+    finally:
+        actor.cfg.guided_nll_coef = 0.0
+    with pytest.raises(ConfigError, match="guided_nll_coef"):
+        ActorConfig(guided_nll_coef=-1).validate()

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: config)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the first run")
     ap.add_argument("--fileroot", default=None, help="output root (default: a temporary folder)")
+    ap.add_argument(
+        "--config", default=None, help="experiment YAML (default: examples/aenv/config.yaml)"
+    )
     ap.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = ap.parse_intermixed_args(argv)
     spec = importlib.util.spec_from_file_location("bench_train_aenv", SCRIPT)
@@ -83,6 +86,8 @@ def _one_run(module: Any, args: argparse.Namespace, fileroot: str, seed: int) ->
     ]
     if args.steps is not None:
         argv_run = ["--steps", str(args.steps), *argv_run]
+    if args.config is not None:
+        argv_run = ["--config", str(Path(args.config).resolve()), *argv_run]
     Path(fileroot).mkdir(parents=True, exist_ok=True)
     metrics_file = Path(fileroot) / f"metrics-s{seed}.json"
     t0 = time.monotonic()

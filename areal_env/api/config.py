@@ -461,11 +461,10 @@ class ActorConfig:
     """Imitate guided episodes (``rollout.guided_samples``): their guide-written tokens with a
     positive advantage (a reference step in an episode that paid) are trained by
     ``guided_nll_coef`` times their negative log-likelihood instead of the PPO surrogate; the KL
-    term still applies to them. Why: such a token is a verified demonstration the model found
-    unlikely, and the PPO clip lets its probability grow by at most ``eps_clip_high`` per
-    update, so ten updates raised the decision to make a second call from 0.02 % to 3 % only
-    (docs/training.md, "Imitating guided steps"). 0 = off: guided tokens take the PPO surrogate
-    like the model's own."""
+    term still applies to them. Such a token is a verified demonstration: its push no longer
+    depends on how the batch's other episodes set the advantage baseline, and no clip stops it
+    within an update (docs/training.md, "Imitating guided steps", has what it did on the demo).
+    0 = off: guided tokens take the PPO surrogate like the model's own."""
     reward_scaling: float = 1.0
     """Rewards are (r + reward_bias) * reward_scaling, then clipped."""
     reward_bias: float = 0.0

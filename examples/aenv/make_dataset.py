@@ -1,7 +1,7 @@
 """Generate the example task's problems: ``train.jsonl``, the held-out ``valid.jsonl`` and a
 second held-out set in phrasings training never uses, ``valid_new_phrasing.jsonl``.
 
-    python examples/aenv/make_dataset.py            # writes both next to this file
+    python examples/aenv/make_dataset.py            # writes them next to this file
 
 Arithmetic word problems that mix the four operations and need one to three tool calls
 (``add``/``subtract``/``multiply``/``divide`` of ``env_tools.py``). The texts never name a tool:
@@ -23,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Sam", "Ivy", "Raj", "Zoe", "Ben", "Kim", "Eli", "Ada"]
 THINGS = ["apples", "coins", "stamps", "books", "shells", "cards", "pens", "marbles", "beads"]
+
+ANSWER_TOOL = "answer"  # the agent's answer tool (config.yaml: workflow_kwargs.answer_tool)
 
 Step = tuple[str, int, int, int]  # tool, a, b, result: one call of a right solution
 Problem = tuple[str, int, str, list[Step]]  # question, answer, kind, the calls of a solution
@@ -225,6 +227,16 @@ def _new_three_step(r: random.Random) -> Problem:
     return q, (a + c) * b - d, "add_mul_sub", steps
 
 
+#: Extra training problems that need two or three calls, in the same templates and proportions
+#: as MIX's (22 : 8). ``train_chains.jsonl`` is the training set plus these: half of it is
+#: multi-call (52 %, from 27 %). With 27 %, answering right after the first result paid so often
+#: that greedy decoding never made a second call (docs/training.md, "Learning to chain calls").
+CHAIN_MIX: list[tuple[Callable[[random.Random], Problem], float]] = [
+    (_two_step, 0.22),
+    (_three_step, 0.08),
+]
+CHAIN_EXTRA = 276
+
 NEW_MIX: list[tuple[Callable[[random.Random], Problem], float]] = [
     (_new_one_step, 0.7),
     (_new_two_step, 0.22),
@@ -258,11 +270,12 @@ def generate(
                 # the calls of a right solution (tool, a, b, result): what a checker of
                 # intermediate calls can verify (see env_tools.reward)
                 "steps": [list(x) for x in steps],
-                # the same solution as tool calls and the answer: what a guided episode
+                # the same solution as tool calls, ending with the call of the agent's answer
+                # tool (config.yaml: workflow_kwargs.answer_tool): what a guided episode
                 # follows (rollout.guide_key / guided_samples, docs/training.md)
                 "reference": [
                     *({"name": tool, "arguments": {"a": a, "b": b}} for tool, a, b, _ in steps),
-                    {"content": str(answer)},
+                    {"name": ANSWER_TOOL, "arguments": {"answer": str(answer)}},
                 ],
             }
         )
@@ -272,14 +285,32 @@ def generate(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train", type=int, default=512, help="training problems")
+    ap.add_argument(
+        "--chain-extra",
+        type=int,
+        default=CHAIN_EXTRA,
+        help="extra two- and three-call training problems appended to the training set",
+    )
     ap.add_argument("--valid", type=int, default=64, help="problems per held-out set")
     ap.add_argument("--out", default=str(HERE), help="output folder")
     args = ap.parse_args(argv)
     valid = generate(args.valid, seed=20261124, prefix="valid")
     train = generate(args.train, seed=7, prefix="train", exclude={v["question"] for v in valid})
+    chains = train + generate(
+        args.chain_extra,
+        seed=8,
+        prefix="chain",
+        exclude={x["question"] for x in (*valid, *train)},
+        mix=CHAIN_MIX,
+    )
     new = generate(args.valid, seed=20261127, prefix="new", mix=NEW_MIX)
     out = Path(args.out)
-    files = (("train.jsonl", train), ("valid.jsonl", valid), ("valid_new_phrasing.jsonl", new))
+    files = (
+        ("train.jsonl", train),
+        ("train_chains.jsonl", chains),  # config_chains.yaml's: half of it multi-call
+        ("valid.jsonl", valid),
+        ("valid_new_phrasing.jsonl", new),
+    )
     for name, rows in files:
         (out / name).write_text("".join(json.dumps(x) + "\n" for x in rows))
         print(f"wrote {len(rows)} problems to {out / name}")

@@ -139,6 +139,19 @@ async def test_transport_failure_propagates(aenv_server_factory, aenv_config):
             await agent._run_tool(env, name_map, _call("add", '{"a": 1, "b": 2}'), [])
 
 
+def _recording_env_reward(seen: list[dict]):
+    """A reward_fn that records what it is given and asks the environment's reward endpoint."""
+
+    async def reward_fn(final_answer, tool_calls, messages, data, env):
+        seen.append({"final": final_answer, "tools": tool_calls, "messages": messages})
+        out = await env.call_reward(
+            {"final_answer": final_answer, "task": data, "tool_calls": tool_calls}
+        )
+        return out["reward"]
+
+    return reward_fn
+
+
 # -------------------------------------------------------------------------- whole episodes
 
 
@@ -148,13 +161,7 @@ async def test_episodes_through_the_real_proxy(proxy_server, aenv_config):
     from tests.fixtures.proxy import export_session, open_session
 
     seen: list[dict] = []
-
-    async def reward_fn(final_answer, tool_calls, messages, data, env):
-        seen.append({"final": final_answer, "tools": tool_calls, "messages": messages})
-        out = await env.call_reward(
-            {"final_answer": final_answer, "task": data, "tool_calls": tool_calls}
-        )
-        return out["reward"]
+    reward_fn = _recording_env_reward(seen)
 
     agent = AenvAgent(
         aenv_config,
@@ -360,13 +367,7 @@ async def test_answer_tool_ends_the_episode_through_the_real_proxy(proxy_server,
     from tests.fixtures.proxy import export_session, open_session
 
     seen: list[dict] = []
-
-    async def reward_fn(final_answer, tool_calls, messages, data, env):
-        seen.append({"final": final_answer, "tools": tool_calls, "messages": messages})
-        out = await env.call_reward(
-            {"final_answer": final_answer, "task": data, "tool_calls": tool_calls}
-        )
-        return out["reward"]
+    reward_fn = _recording_env_reward(seen)
 
     agent = AenvAgent(
         aenv_config,

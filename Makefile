@@ -15,7 +15,7 @@ MCP_SQLITE_VENV ?= .venv-mcp-sqlite
 MCP_SQLITE_STAMP := $(MCP_SQLITE_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-aenv venv-mcp-sqlite demo test test-fast test-gpu lint typecheck format bench clean
+.PHONY: venv venv-aenv venv-mcp-sqlite demo demo-one-call test test-fast test-gpu lint typecheck format bench clean
 
 venv: $(STAMP) $(AENV_STAMP) $(MCP_SQLITE_STAMP)
 
@@ -46,6 +46,10 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(PY) -m areal_env.cli demo
+
+# The demo's quicker recipe: one tool call, then a plain answer (no two- and three-call problems).
+demo-one-call: venv
+	$(PY) -m areal_env.cli demo --recipe one-call
 
 # The suite CI runs: slow learning tests and (with RUN_AENV_INTEGRATION=1) integration tests
 # included; tests marked extended (benches' short versions, soaks, more multi-process and

@@ -106,7 +106,37 @@ def run(argv: list[str] | None = None) -> dict:
     metrics["wall_s"] = time.monotonic() - t0
     metrics["setup_s"] = setup_s
     metrics["log_file"] = str(log_file)
+    metrics["calls_per_task"] = calls_per_task(cfg)
     return metrics
+
+
+def calls_per_task(cfg) -> dict[str, int]:
+    """``task_id -> calls`` (how many tool calls the solution takes) of every held-out item."""
+    from areal_env.trainer.data import load_items
+
+    paths = [p for p in (cfg.valid_dataset, *cfg.extra_valid_datasets.values()) if p]
+    return {
+        str(item.get("task_id")): int(item.get("calls", 1))
+        for path in paths
+        for item in load_items(str(path))
+    }
+
+
+def multi_call_line(before, after, calls: dict[str, int]) -> str | None:
+    """How many of each held-out set's problems of two or more calls were solved before and
+    after training (None when no set has any)."""
+    parts = []
+    sets = [("held-out", before, after)]
+    sets += [
+        (name, r, after.extra[name]) for name, r in before.extra.items() if name in after.extra
+    ]
+    for name, b, a in sets:
+        multi = [t for t in a.outcomes if calls.get(t, 1) >= 2 and t in b.outcomes]
+        if multi:
+            solved_b = sum(b.outcomes[t] for t in multi)
+            solved_a = sum(a.outcomes[t] for t in multi)
+            parts.append(f"{name} {solved_b}/{len(multi)} -> {solved_a}/{len(multi)}")
+    return "problems of two or three calls solved: " + ", ".join(parts) if parts else None
 
 
 def report(metrics: dict) -> None:
@@ -132,6 +162,9 @@ def report(metrics: dict) -> None:
         if before is not None and after is not None:
             print()
             print(format_before_after(before, after))
+            line = multi_call_line(before, after, metrics.get("calls_per_task") or {})
+            if line:
+                print(line)
             print()
     for label, key in (
         ("metrics (one JSON line per step)", "metrics_file"),

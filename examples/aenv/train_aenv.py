@@ -17,6 +17,11 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_env.api.config import ExperimentConfig
+    from areal_env.trainer.eval import EvalResult
 
 HERE = Path(__file__).resolve().parent
 
@@ -110,7 +115,7 @@ def run(argv: list[str] | None = None) -> dict:
     return metrics
 
 
-def calls_per_task(cfg) -> dict[str, int]:
+def calls_per_task(cfg: ExperimentConfig) -> dict[str, int]:
     """``task_id -> calls`` (how many tool calls the solution takes) of every held-out item."""
     from areal_env.trainer.data import load_items
 
@@ -122,7 +127,7 @@ def calls_per_task(cfg) -> dict[str, int]:
     }
 
 
-def multi_call_line(before, after, calls: dict[str, int]) -> str | None:
+def multi_call_line(before: EvalResult, after: EvalResult, calls: dict[str, int]) -> str | None:
     """How many of each held-out set's problems of two or more calls were solved before and
     after training (None when no set has any)."""
     parts = []

@@ -33,6 +33,11 @@ kernels), fp32 with the kernels, bf16 with the kernels (``actor.ref_dtype: bfloa
 prints ``ref_tree_fp32_vs_dense``, ``ref_tree_bf16_vs_dense``, ``ref_bf16_vs_fp32`` and how far
 bf16's logprobs are from fp32's on the batch's random tokens and on text the model sampled.
 
+``--case dtype`` runs the demo's update (``examples/aenv/config_chains.yaml``'s actor: two
+minibatches, a bf16 KL reference, all layers checkpointed) on the agent batch in fp32 and under
+bf16 autocast over fp32 master weights (``model.dtype: bfloat16``), alternating: ``bf16_vs_fp32``
+(median update times), and whether the CPU has AMX (``cpu_amx_bf16``).
+
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
 "agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
@@ -311,6 +316,56 @@ def run_checkpointing_case(args, model_path: str) -> dict:
     }
 
 
+def run_dtype_case(args, model_path: str) -> dict:
+    """The demo's update (``examples/aenv/config_chains.yaml``'s actor: two minibatches, a bf16
+    KL reference, tree training, all layers checkpointed) on the agent batch, in fp32 and under
+    bf16 autocast over fp32 master weights (``model.dtype: bfloat16``), alternating: each one's
+    median update time, and ``bf16_vs_fp32``. On a CPU with AMX (``amx_bf16`` in
+    /proc/cpuinfo) bf16 products run several times faster than fp32 ones; without it, barely."""
+    actor_cfg = dict(
+        ppo_n_minibatches=2,
+        lr=5e-5,
+        kl_coef=0.04,
+        kl_estimator="k2",
+        ref_dtype="bfloat16",
+        micro_batch_tokens=args.micro_batch_tokens,
+    )
+    actors = {
+        name: PPOActor(
+            model_path,
+            ActorConfig(**actor_cfg),
+            ModelConfig(gradient_checkpointing=True, dtype=name),
+        )
+        for name in ("float32", "bfloat16")
+    }
+    vocab = actors["float32"].model.config.vocab_size
+    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    plan = actors["float32"].plan_micro_batches(
+        batch["input_ids"], lengths, list(range(len(lengths)))
+    )
+    for actor in actors.values():  # warm-up: allocations, optimiser state
+        actor.update(_slice(batch, min(4, args.samples)), step=0)
+    times: dict[str, list[float]] = {name: [] for name in actors}
+    for it in range(1, args.iters + 1):
+        for name, actor in actors.items():  # alternate: both see the same machine load
+            t0 = time.perf_counter()
+            stats = actor.update(batch, step=it)
+            dt = time.perf_counter() - t0
+            assert stats["actor/update_skipped"] == 0.0
+            times[name].append(dt)
+            print(f"iter {it} {name}: {dt:.1f} s", file=sys.stderr)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    amx = "amx_bf16" in open("/proc/cpuinfo").read() if sys.platform == "linux" else False
+    return {
+        "bf16_vs_fp32": round(med["float32"] / med["bfloat16"], 3),
+        "fp32_update_s": round(med["float32"], 2),
+        "bf16_update_s": round(med["bfloat16"], 2),
+        "trie_tokens": plan.computed_tokens,
+        "cpu_amx_bf16": amx,
+    }
+
+
 def run_reference_case(args, model_path: str) -> dict:
     """The KL reference's forward on the agent batch (``actor.kl_coef > 0`` runs it every step):
     as it ran before the reference got the tree kernels (fp32, dense [N, N] tree mask), with the
@@ -492,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
-        "--case", choices=["synthetic", "agent", "checkpointing", "reference", "all"], default="all"
+        "--case",
+        choices=["synthetic", "agent", "checkpointing", "reference", "dtype", "all"],
+        default="all",
     )
     ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
     ap.add_argument("--samples", type=int, default=8, help="agent case: samples per problem")
@@ -514,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_checkpointing_case(args, model_path))
     if args.case == "reference":
         result.update(run_reference_case(args, model_path))
+    if args.case == "dtype":
+        result.update(run_dtype_case(args, model_path))
     result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))

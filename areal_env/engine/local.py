@@ -26,6 +26,7 @@ from areal_env.engine.adapters import AdapterEngine, AdapterWeights
 from areal_env.engine.batch_worker import BatchWorker
 from areal_env.engine.grammar import GrammarCompiler, RowGrammar
 from areal_env.engine.json_end import JsonEnd
+from areal_env.engine.models import load_causal_lm
 from areal_env.engine.prefix_cache import PrefixCache
 from areal_env.engine.request_state import RequestState
 from areal_env.engine.sampler import RowSampling
@@ -134,7 +135,7 @@ class LocalEngine:
         """Load tokenizer and model and start the worker thread (idempotent)."""
         if self.worker.alive:
             return
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         t0 = time.perf_counter()
         dev = self._device_opt
@@ -152,7 +153,7 @@ class LocalEngine:
                 f"dtype must be auto|float32|bfloat16|float16, got {self._dtype_opt!r}"
             )
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        model = load_causal_lm(self.model_path, dtype=dtype)
         model.to(device).eval()
         model.requires_grad_(False)
         cfg = model.config

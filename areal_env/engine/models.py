@@ -14,8 +14,10 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
@@ -42,6 +44,30 @@ KNOWN_MODELS: dict[str, WheelModel] = {
 }
 
 _COMPLETE_MARKER = ".areal_env_complete"
+
+
+_QUIET_LOADS = threading.Lock()
+
+
+def load_causal_lm(path: str, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` without transformers' per-tensor
+    "Loading weights" progress bar.
+
+    Why: a run loads the model several times (engine, actor, KL reference, each pushed folder);
+    those bars are not the job's progress, and on the console they tear the training bar apart.
+    The switch is process-wide (transformers' and the hub's bars together), so loads take
+    turns under a lock and the switch is turned back on after each where it was on."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    with _QUIET_LOADS:
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -123,7 +149,7 @@ def _provision_wheel_model(name: str, spec: WheelModel, cache_dir: Path) -> Path
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
         from transformers import GgufConfig
@@ -132,9 +158,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     except ImportError:  # older transformers dequantize GGUF by default
         quant = {}
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **quant
-    )
+    model = load_causal_lm(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **quant)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -18,6 +18,7 @@ from areal_env.engine.lora import (
     load_adapter_folder,
     split_adapter,
 )
+from areal_env.engine.models import load_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,9 @@ class WeightUpdater:
         logger.info("LoRA adapter %s merged into %d weight matrices", path, len(merged))
 
     def _load_folder(self, path: str) -> dict[str, torch.Tensor]:
-        from transformers import AutoModelForCausalLM
-
         if not os.path.isdir(path):
             raise ValueError(f"update_weights: {path!r} is not a model folder")
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.worker.model.dtype)
+        loaded = load_causal_lm(path, dtype=self.worker.model.dtype)
         return loaded.state_dict()
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:

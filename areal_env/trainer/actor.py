@@ -24,6 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from areal_env.api.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
+from areal_env.engine.models import load_causal_lm
 from areal_env.trainer import memory
 from areal_env.trainer.actor_lora import (
     apply_lora,
@@ -205,8 +206,6 @@ class PPOActor:
 
     def _load(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         """Load the model; wrap it with LoRA adapters and FSDP2 as the config says."""
-        from transformers import AutoModelForCausalLM
-
         lora = trainable and self.cfg.lora is not None
         # frozen weights need no fp32 master copy: the reference model, and the base under LoRA
         # adapters in one process (FSDP2 shards one dtype per layer: there the base stays fp32)
@@ -219,7 +218,7 @@ class PPOActor:
         dtype = self.precision.load_dtype(frozen=frozen)
         if not trainable and self.cfg.ref_dtype != "auto":
             dtype = resolve_dtype(self.cfg.ref_dtype, self.device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **where)
+        model = load_causal_lm(model_path, dtype=dtype, **where)
         model.config.use_cache = False
         if trainable and self.adapters:
             model = apply_lora(model, self.adapters, fp32_adapters=not self.precision.lossy)

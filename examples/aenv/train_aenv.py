@@ -88,6 +88,11 @@ def run(argv: list[str] | None = None) -> dict:
     log.info("log file (everything, at INFO): %s", log_file)
 
     t0 = time.monotonic()
+    from areal_env.engine.models import resolve_model_path
+
+    # A fresh clone converts the default model once (tens of seconds): set-up, not training.
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    log.info("model: %s (%.0f s)", model_dir, time.monotonic() - t0)
     # The servers run from the aenvironment SDK in a venv of its own (.venv-aenv, created on
     # first use; aenv_config.server_python or $AREAL_ENV_AENV_PYTHON choose another).
     server_python = (cfg.workflow_kwargs.get("aenv_config") or {}).get("server_python")
@@ -106,7 +111,7 @@ def run(argv: list[str] | None = None) -> dict:
         log.info("environment servers: %s", ", ".join(servers.urls))
         with PPOTrainer(cfg) as trainer:
             setup_s = time.monotonic() - t0
-            log.info("set up in %.0f s (environment servers, model, proxy)", setup_s)
+            log.info("set up in %.0f s (model files, environment servers)", setup_s)
             metrics = trainer.train(workflow_kwargs=kwargs)
     metrics["wall_s"] = time.monotonic() - t0
     metrics["setup_s"] = setup_s

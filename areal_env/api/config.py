@@ -53,8 +53,8 @@ class ModelConfig:
     path: str = path_field("model", default="smollm2-135m-instruct")
     """A known model name (see ``areal_env.engine.models``) or a local HF folder."""
     dtype: str = "auto"
-    """The compute dtype: auto (fp32 on CPU, where a bf16-autocast update is only 1.07-1.15x
-    faster, AMX included: ``bench/train_step.py --case dtype``; bf16 on GPU) | float32 | bfloat16 | float16. The trainer computes in it (autocast, or FSDP2's
+    """The compute dtype: auto (fp32 on CPU, where a bf16-autocast update is only 1.15x faster,
+    1.3x with AMX: ``bench/train_step.py --case dtype``; bf16 on GPU) | float32 | bfloat16 | float16. The trainer computes in it (autocast, or FSDP2's
     mixed-precision policy) over fp32 master weights and optimizer states, and hands the
     inference engine its weights cast to it; the embedded engine serves in it."""
     device: str = "auto"

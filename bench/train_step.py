@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -356,7 +357,8 @@ def run_dtype_case(args, model_path: str) -> dict:
             times[name].append(dt)
             print(f"iter {it} {name}: {dt:.1f} s", file=sys.stderr)
     med = {name: statistics.median(t) for name, t in times.items()}
-    amx = "amx_bf16" in open("/proc/cpuinfo").read() if sys.platform == "linux" else False
+    cpuinfo = Path("/proc/cpuinfo")
+    amx = cpuinfo.exists() and "amx_bf16" in cpuinfo.read_text(encoding="utf-8")
     return {
         "bf16_vs_fp32": round(med["float32"] / med["bfloat16"], 3),
         "fp32_update_s": round(med["float32"], 2),

@@ -54,9 +54,10 @@ class ModelConfig:
     """A known model name (see ``areal_env.engine.models``) or a local HF folder."""
     dtype: str = "auto"
     """The compute dtype: auto (fp32 on CPU, where a bf16-autocast update is only 1.15x faster,
-    1.3x with AMX: ``bench/train_step.py --case dtype``; bf16 on GPU) | float32 | bfloat16 | float16. The trainer computes in it (autocast, or FSDP2's
-    mixed-precision policy) over fp32 master weights and optimizer states, and hands the
-    inference engine its weights cast to it; the embedded engine serves in it."""
+    1.3x with AMX: ``bench/train_step.py --case dtype``; bf16 on GPU) | float32 | bfloat16 |
+    float16. The trainer computes in it (autocast, or FSDP2's mixed-precision policy) over fp32
+    master weights and optimizer states, and hands the inference engine its weights cast to it;
+    the embedded engine serves in it."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     cache_dir: str | None = path_field("dir", default=None)

@@ -381,8 +381,9 @@ def launch_from_config(cfg: ExperimentConfig) -> ServerGroup:
     except ModelNotFoundError:
         model_path = cfg.model.path  # e.g. a hub id: SGLang downloads it on the GPU machine
     args: list[str] = []
-    if cfg.model.dtype != "auto":
-        args += ["--dtype", cfg.model.dtype]
+    dtype = cfg.engine.served_dtype(cfg.model)
+    if dtype != "auto":
+        args += ["--dtype", dtype]
     if cfg.model.max_context_len:
         args += ["--context-length", str(cfg.model.max_context_len)]
     if sg.mem_fraction_static is not None:

@@ -123,7 +123,7 @@ class LocalEngine:
         return cls(
             str(path),
             device=model.device,
-            dtype=model.dtype,
+            dtype=engine.served_dtype(model),
             max_batch_size=engine.max_batch_size,
             max_context_len=model.max_context_len,
             num_threads=model.num_threads,

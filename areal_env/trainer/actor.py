@@ -109,6 +109,7 @@ class PPOActor:
         adapter: str = "default",
         adapters: Mapping[str, LoraConfig] | None = None,
         share: PPOActor | None = None,
+        engine_dtype: str = "auto",
     ) -> None:
         memory.tune_allocator()  # freed step memory must leave the process: see memory.py
         self.cfg = actor
@@ -121,12 +122,16 @@ class PPOActor:
             self.device = self.dist.device
         else:
             self.device = resolve_device(self.model_cfg.device)
-        # fp32 master weights and optimiser states, compute in model.dtype (precision.py)
+        # fp32 master weights and optimiser states, compute in model.dtype, weights handed to
+        # the engine in engine.dtype (precision.py)
         self.precision = Precision(
             resolve_dtype(self.model_cfg.dtype, self.device),
             self.device,
             strategy=actor.strategy,
             lossy=actor.lossy_low_precision_weights,
+            engine=resolve_dtype(
+                self.model_cfg.dtype if engine_dtype == "auto" else engine_dtype, self.device
+            ),
         )
         self.tree_kernel = tree_kernel(actor.tree_attention, self.device)
         self.model_path = model_path
@@ -689,10 +694,10 @@ class PPOActor:
     # -- weights ----------------------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the full weights in the compute dtype (``model.dtype``, what
-        the engine serves in; the fp32 master weights stay here), never aliasing the tensors the
-        optimiser keeps changing. Collective under FSDP: every rank calls it, rank 0 gets the
-        weights, the others an empty dict. With LoRA: the merged weights (base + adapter)."""
+        """A detached CPU copy of the full weights in the engine's dtype (``engine.dtype``; the
+        fp32 master weights stay here), never aliasing the tensors the optimiser keeps changing.
+        Collective under FSDP: every rank calls it, rank 0 gets the weights, the others an empty
+        dict. With LoRA: the merged weights (base + adapter)."""
         if self.cfg.lora is not None:
             self.activate()
             merged = merged_lora_state_dict(self.model, self.dist, self.adapter)

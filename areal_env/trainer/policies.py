@@ -83,6 +83,7 @@ def build_policies(
                 adapter=name,
                 adapters=adapters,
                 share=shared,
+                engine_dtype=config.engine.dtype,
             )
             shared = shared or actor
         else:
@@ -94,6 +95,7 @@ def build_policies(
                 config.model,
                 temperature=config.gconfig.temperature,
                 seed=config.seed,
+                engine_dtype=config.engine.dtype,
             )
         engine = engines.routes[name] if engines is not None else None
         tokenizer = engines.tokenizer(name) if engines is not None else _tokenizer(actor)

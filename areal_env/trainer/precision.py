@@ -14,8 +14,10 @@ only the arithmetic runs in bf16/fp16:
 - fp16 adds dynamic loss scaling (``torch.amp.GradScaler``): its gradients underflow otherwise;
 - frozen weights (the KL reference model, the base under LoRA adapters with ``strategy:
   single``) need no master copy and load in the compute dtype;
-- the inference engine keeps its own dtype: pushed weights are cast to the compute dtype
-  (``model.dtype`` is also what the embedded engine serves in), half the bytes of fp32.
+- the inference engine serves in ``engine.dtype`` (the compute dtype unless set): pushed
+  weights are cast to it, half the bytes of fp32 in bf16. On CPU the two differ usefully: bf16
+  autocast speeds the update up, while fp32 generation is faster there and keeps the model's
+  greedy answers (docs/training.md, "Precision").
 
 ``actor.lossy_low_precision_weights`` keeps the old behaviour (weights and moments in the
 compute dtype, 8 instead of 16 bytes per parameter) for those who accept the rounding; it logs
@@ -39,9 +41,18 @@ class Precision:
     """The dtypes of one actor and the parts of its step that depend on them."""
 
     def __init__(
-        self, compute: torch.dtype, device: torch.device, *, strategy: str, lossy: bool = False
+        self,
+        compute: torch.dtype,
+        device: torch.device,
+        *,
+        strategy: str,
+        lossy: bool = False,
+        engine: torch.dtype | None = None,
     ) -> None:
         self.compute = compute
+        self.engine = engine or compute
+        """The dtype the inference engine serves in: what pushed and exported weights are cast
+        to."""
         self.device_type = device.type
         low = compute != torch.float32
         self.lossy = low and lossy
@@ -115,25 +126,23 @@ class Precision:
         return True
 
     def for_engine(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``weights`` with floating tensors cast to the compute dtype (in place, one tensor at
+        """``weights`` with floating tensors cast to the engine's dtype (in place, one tensor at
         a time, so a 7B model's fp32 copy and its cast copy are never both held whole)."""
-        if self.compute == torch.float32:
-            return weights
         for name in list(weights):
             t = weights[name]
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != self.compute:
-                weights[name] = t.to(self.compute)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != self.engine:
+                weights[name] = t.to(self.engine)
         return weights
 
     def mark_folder(self, folder: Path) -> None:
-        """Record the compute dtype in an HF folder's ``config.json`` (``save_pretrained``
-        writes the dtype of the live fp32 parameters): servers loading it with ``dtype: auto``
-        serve in it, like the weights written in it."""
+        """Record the engine's dtype in an HF folder's ``config.json`` (``save_pretrained``
+        writes the dtype of the live master parameters): servers loading it with ``dtype:
+        auto`` serve in it, like the weights written in it."""
         path = Path(folder) / "config.json"
-        if self.compute == torch.float32 or not path.is_file():
+        if self.engine == self.master or not path.is_file():
             return
         config = json.loads(path.read_text())
-        name = str(self.compute).removeprefix("torch.")
+        name = str(self.engine).removeprefix("torch.")
         config["dtype"] = name
         if "torch_dtype" in config:
             config["torch_dtype"] = name

@@ -226,6 +226,36 @@ def test_bf16_update_then_push_to_a_cuda_engine(gpu_model, gpu_tokenizer):
         eng.destroy()
 
 
+def test_bf16_compute_pushes_fp32_to_an_fp32_cuda_engine(gpu_model, gpu_tokenizer):
+    """``engine.dtype`` apart from ``model.dtype``: a bf16-autocast update on the GPU, and the
+    engine built from the same config serves fp32 with the master weights bit-exactly."""
+    from areal_env.api.config import EngineConfig
+
+    model_cfg = ModelConfig(path=gpu_model, device=DEVICE, dtype="bfloat16")
+    engine_cfg = EngineConfig(dtype="float32", max_batch_size=4)
+    cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-6)
+    actor = PPOActor(gpu_model, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.dtype)
+    assert actor.precision.autocast and actor.precision.engine == torch.float32
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    assert actor.update(_agent_batch(gpu_tokenizer), step=1)["actor/update_skipped"] == 0.0
+    changed = sum(
+        int((p.detach() != b).sum()) for p, b in zip(actor.model.parameters(), before, strict=True)
+    )
+    assert changed / sum(b.numel() for b in before) >= 0.95
+    pushed = actor.state_dict_for_engine()
+    assert {t.dtype for t in pushed.values()} == {torch.float32}
+    eng = LocalEngine.from_config(model_cfg, engine_cfg)
+    eng.initialize()
+    try:
+        assert eng.model.dtype == torch.float32 and eng.device.type == DEVICE
+        eng.update_weights(pushed)
+        served = eng.model.state_dict()
+        for name, t in pushed.items():
+            assert torch.equal(served[name].cpu(), t.cpu()), name
+    finally:
+        eng.destroy()
+
+
 def test_flex_tree_attention_on_cuda_equals_the_segment_path(gpu_model, gpu_tokenizer):
     """The GPU's tree kernel (compiled FlexAttention over the trie's block mask) gives the
     logprobs and gradients of the trunk/segment sdpa path, in bf16 compute."""

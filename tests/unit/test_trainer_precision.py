@@ -99,6 +99,20 @@ def test_fp32_compute_is_the_cpu_default(tiny_model_path):
     assert actor.tree_kernel == "sdpa"
 
 
+def _assert_serves_exactly(eng, pushed: dict, dtype: torch.dtype) -> None:
+    """Start ``eng``: it loads the model in ``dtype`` and, once ``pushed`` is loaded, serves
+    exactly those tensors."""
+    eng.initialize()
+    try:
+        assert eng.model.dtype == dtype
+        eng.update_weights(pushed)
+        served = eng.model.state_dict()
+        for name, t in pushed.items():
+            assert torch.equal(served[name], t), name
+    finally:
+        eng.destroy()
+
+
 def test_the_engine_gets_weights_in_its_own_dtype(tiny_model_path, tokenizer, tmp_path):
     """bf16 compute: the pushed state dict and the HF export are bf16 (half the bytes; the
     exported config says bf16, so a server with dtype auto serves bf16), a bf16 engine loads
@@ -120,14 +134,7 @@ def test_the_engine_gets_weights_in_its_own_dtype(tiny_model_path, tokenizer, tm
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert {t.dtype for t in written.values()} == {torch.bfloat16}
     eng = LocalEngine(tiny_model_path, device="cpu", dtype="bfloat16", max_batch_size=2)
-    eng.initialize()
-    try:
-        eng.update_weights(pushed)
-        served = eng.model.state_dict()
-        for name, t in pushed.items():
-            assert torch.equal(served[name], t), name
-    finally:
-        eng.destroy()
+    _assert_serves_exactly(eng, pushed, torch.bfloat16)
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_model_path, tokenizer):
@@ -144,3 +151,72 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_loss_scale(tiny_model_path,
     assert actor.precision.scaler.get_scale() == 2.0**99
     actor.precision.scaler = torch.amp.GradScaler("cpu")
     assert _changed_fraction(actor, batch) >= 0.95
+
+
+def test_bf16_compute_with_an_fp32_engine(tiny_model_path, tokenizer, tmp_path):
+    """``engine.dtype`` apart from ``model.dtype``: the update runs under bf16 autocast, and
+    the engine built from the same config loads fp32 and gets the fp32 master weights
+    bit-exactly (no bf16 rounding in between); the export stays marked fp32."""
+    from areal_env.api.config import EngineConfig
+    from areal_env.engine.local import LocalEngine
+
+    model_cfg = ModelConfig(dtype="bfloat16", device="cpu")
+    engine_cfg = EngineConfig(dtype="float32", max_batch_size=2)
+    cfg = ActorConfig(lr=1e-6, ppo_n_minibatches=1)
+    actor = PPOActor(tiny_model_path, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.dtype)
+    assert actor.precision.autocast and actor.precision.compute == torch.bfloat16
+    assert actor.precision.engine == torch.float32
+    assert _changed_fraction(actor, _agent_batch(tokenizer)) >= 0.95
+    pushed = actor.state_dict_for_engine()
+    assert {t.dtype for t in pushed.values()} == {torch.float32}
+    master = dict(actor.model.named_parameters())
+    for name, t in pushed.items():
+        if name in master:
+            assert torch.equal(t, master[name].detach()), name
+    actor.export_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    eng = LocalEngine.from_config(
+        ModelConfig(path=tiny_model_path, dtype="bfloat16", device="cpu"), engine_cfg
+    )
+    _assert_serves_exactly(eng, pushed, torch.float32)
+
+
+def test_pure_bf16_weights_exported_for_an_fp32_engine_say_fp32(tiny_model_path, tmp_path):
+    """Under ``lossy_low_precision_weights`` the live weights are bf16, so ``save_pretrained``
+    writes bf16 into the config: an fp32 engine's export must say fp32, as its tensors are."""
+    cfg = ActorConfig(lossy_low_precision_weights=True)
+    model_cfg = ModelConfig(dtype="bfloat16", device="cpu")
+    actor = PPOActor(tiny_model_path, cfg, model_cfg, seed=3, engine_dtype="float32")
+    assert {p.dtype for p in actor.model.parameters()} == {torch.bfloat16}
+    actor.export_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {t.dtype for t in written.values()} == {torch.float32}
+
+
+def test_engine_dtype_follows_model_dtype_and_reaches_sglang(monkeypatch, tmp_path):
+    """``engine.dtype: auto`` serves in ``model.dtype``; set, it wins, and SGLang's servers get
+    it as ``--dtype``; a wrong name says which ones are valid."""
+    from areal_env.api.config import ConfigError, EngineConfig, ExperimentConfig
+    from areal_env.engine import launcher
+
+    assert EngineConfig().served_dtype(ModelConfig(dtype="bfloat16")) == "bfloat16"
+    assert EngineConfig(dtype="float32").served_dtype(ModelConfig(dtype="bfloat16")) == "float32"
+    with pytest.raises(ConfigError, match="engine.dtype='fp32'.*float32.*follows model.dtype"):
+        EngineConfig(dtype="fp32").validate()
+
+    seen: dict = {}
+    monkeypatch.setattr(launcher, "launch_servers", lambda path, **kw: seen.update(kw))
+    cfg = ExperimentConfig(fileroot=str(tmp_path))
+    cfg.model = ModelConfig(path=str(tmp_path), dtype="bfloat16")
+    launcher.launch_from_config(cfg)
+    assert seen["extra_args"][:2] == ["--dtype", "bfloat16"]
+    cfg.engine = EngineConfig(dtype="float32")
+    launcher.launch_from_config(cfg)
+    assert seen["extra_args"][:2] == ["--dtype", "float32"]
+    cfg.model = ModelConfig(path=str(tmp_path))
+    cfg.engine = EngineConfig()
+    launcher.launch_from_config(cfg)
+    assert "--dtype" not in seen["extra_args"]

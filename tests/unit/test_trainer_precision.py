@@ -99,6 +99,16 @@ def test_fp32_compute_is_the_cpu_default(tiny_model_path):
     assert actor.tree_kernel == "sdpa"
 
 
+def _assert_exported_in(actor: PPOActor, folder, dtype: torch.dtype) -> None:
+    """``export_hf`` writes its tensors in ``dtype`` and its config says so (a server with
+    dtype auto then serves in it)."""
+    actor.export_hf(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == str(dtype).removeprefix("torch.")
+    written = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in written.values()} == {dtype}
+
+
 def _assert_serves_exactly(eng, pushed: dict, dtype: torch.dtype) -> None:
     """Start ``eng``: it loads the model in ``dtype`` and, once ``pushed`` is loaded, serves
     exactly those tensors."""
@@ -128,11 +138,7 @@ def test_the_engine_gets_weights_in_its_own_dtype(tiny_model_path, tokenizer, tm
         if name in master:
             assert torch.equal(t, master[name].detach().to(torch.bfloat16)), name
     assert {p.dtype for p in actor.model.parameters()} == {torch.float32}
-    actor.export_hf(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
-    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    _assert_exported_in(actor, tmp_path / "hf", torch.bfloat16)
     eng = LocalEngine(tiny_model_path, device="cpu", dtype="bfloat16", max_batch_size=2)
     _assert_serves_exactly(eng, pushed, torch.bfloat16)
 
@@ -173,9 +179,7 @@ def test_bf16_compute_with_an_fp32_engine(tiny_model_path, tokenizer, tmp_path):
     for name, t in pushed.items():
         if name in master:
             assert torch.equal(t, master[name].detach()), name
-    actor.export_hf(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    _assert_exported_in(actor, tmp_path / "hf", torch.float32)
     eng = LocalEngine.from_config(
         ModelConfig(path=tiny_model_path, dtype="bfloat16", device="cpu"), engine_cfg
     )
@@ -189,11 +193,7 @@ def test_pure_bf16_weights_exported_for_an_fp32_engine_say_fp32(tiny_model_path,
     model_cfg = ModelConfig(dtype="bfloat16", device="cpu")
     actor = PPOActor(tiny_model_path, cfg, model_cfg, seed=3, engine_dtype="float32")
     assert {p.dtype for p in actor.model.parameters()} == {torch.bfloat16}
-    actor.export_hf(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config.get("dtype", config.get("torch_dtype")) == "float32"
-    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert {t.dtype for t in written.values()} == {torch.float32}
+    _assert_exported_in(actor, tmp_path / "hf", torch.float32)
 
 
 def test_engine_dtype_follows_model_dtype_and_reaches_sglang(monkeypatch, tmp_path):

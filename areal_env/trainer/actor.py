@@ -109,7 +109,7 @@ class PPOActor:
         adapter: str = "default",
         adapters: Mapping[str, LoraConfig] | None = None,
         share: PPOActor | None = None,
-        engine_dtype: str = "auto",
+        engine_dtype: str | None = None,
     ) -> None:
         memory.tune_allocator()  # freed step memory must leave the process: see memory.py
         self.cfg = actor
@@ -129,9 +129,8 @@ class PPOActor:
             self.device,
             strategy=actor.strategy,
             lossy=actor.lossy_low_precision_weights,
-            engine=resolve_dtype(
-                self.model_cfg.dtype if engine_dtype == "auto" else engine_dtype, self.device
-            ),
+            # None: the engine serves in model.dtype (callers pass EngineConfig.served_dtype)
+            engine=resolve_dtype(engine_dtype or self.model_cfg.dtype, self.device),
         )
         self.tree_kernel = tree_kernel(actor.tree_attention, self.device)
         self.model_path = model_path

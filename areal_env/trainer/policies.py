@@ -83,7 +83,7 @@ def build_policies(
                 adapter=name,
                 adapters=adapters,
                 share=shared,
-                engine_dtype=config.engine.dtype,
+                engine_dtype=config.engine.served_dtype(config.model),
             )
             shared = shared or actor
         else:
@@ -95,7 +95,7 @@ def build_policies(
                 config.model,
                 temperature=config.gconfig.temperature,
                 seed=config.seed,
-                engine_dtype=config.engine.dtype,
+                engine_dtype=config.engine.served_dtype(config.model),
             )
         engine = engines.routes[name] if engines is not None else None
         tokenizer = engines.tokenizer(name) if engines is not None else _tokenizer(actor)

@@ -106,7 +106,7 @@ def build_models(
         config.model,
         temperature=config.gconfig.temperature,
         seed=config.seed,
-        engine_dtype=config.engine.dtype,
+        engine_dtype=config.engine.served_dtype(config.model),
     )
     engine = engine if dist.is_main else None
     pusher = WeightPusher(config, actor, ranks, engine=engine, tokenizer=tokenizer)

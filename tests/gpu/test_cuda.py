@@ -234,7 +234,9 @@ def test_bf16_compute_pushes_fp32_to_an_fp32_cuda_engine(gpu_model, gpu_tokenize
     model_cfg = ModelConfig(path=gpu_model, device=DEVICE, dtype="bfloat16")
     engine_cfg = EngineConfig(dtype="float32", max_batch_size=4)
     cfg = ActorConfig(ppo_n_minibatches=1, micro_batch_tokens=4096, lr=1e-6)
-    actor = PPOActor(gpu_model, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.dtype)
+    actor = PPOActor(
+        gpu_model, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.served_dtype(model_cfg)
+    )
     assert actor.precision.autocast and actor.precision.engine == torch.float32
     before = [p.detach().clone() for p in actor.model.parameters()]
     assert actor.update(_agent_batch(gpu_tokenizer), step=1)["actor/update_skipped"] == 0.0

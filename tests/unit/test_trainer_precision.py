@@ -169,7 +169,9 @@ def test_bf16_compute_with_an_fp32_engine(tiny_model_path, tokenizer, tmp_path):
     model_cfg = ModelConfig(dtype="bfloat16", device="cpu")
     engine_cfg = EngineConfig(dtype="float32", max_batch_size=2)
     cfg = ActorConfig(lr=1e-6, ppo_n_minibatches=1)
-    actor = PPOActor(tiny_model_path, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.dtype)
+    actor = PPOActor(
+        tiny_model_path, cfg, model_cfg, seed=3, engine_dtype=engine_cfg.served_dtype(model_cfg)
+    )
     assert actor.precision.autocast and actor.precision.compute == torch.bfloat16
     assert actor.precision.engine == torch.float32
     assert _changed_fraction(actor, _agent_batch(tokenizer)) >= 0.95

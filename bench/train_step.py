@@ -38,6 +38,13 @@ minibatches, a bf16 KL reference, all layers checkpointed) on the agent batch in
 bf16 autocast over fp32 master weights (``model.dtype: bfloat16``), alternating: ``bf16_vs_fp32``
 (median update times), and whether the CPU has AMX (``cpu_amx_bf16``).
 
+``--case attention`` times the tree attention kernel alone (one layer's forward and backward in
+the model's head layout) on the packed minibatches of the demo actor (``--problems 8 --samples
+4``: two random halves of the rows, as ``ppo_n_minibatches=2`` splits them), alternating: the
+trunk/segment kernel, its padded layout of until 2026-11-29 (a copy kept here as the baseline)
+and sdpa with the dense ancestor mask: ``segments_vs_padded``, ``segments_vs_dense``, and the
+scores each computes (``scores_vs_padded``, ``scores_vs_dense``).
+
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
 "agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
@@ -368,6 +375,131 @@ def run_dtype_case(args, model_path: str) -> dict:
     }
 
 
+def padded_segment_layout(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout the segment kernel used until 2026-11-29 (the baseline of ``--case
+    attention``): every segment padded to the widest, as [S, W] node indices, a [S, 1, W,
+    trunk + W] additive mask, and each node's flat slot."""
+    t, width = seg.trunk, max(seg.sizes)
+    q_idx = torch.zeros((len(seg.sizes), width), dtype=torch.long)
+    bias = torch.full((len(seg.sizes), 1, width, t + width), torch.finfo(torch.float32).min)
+    bias[..., :t] = 0.0
+    slots, lo = [], t
+    for s, (size, own) in enumerate(zip(seg.sizes, seg.own, strict=True)):
+        q_idx[s, :size] = torch.arange(lo, lo + size)
+        bias[s, :, :size, t : t + size].masked_fill_(own[0], 0.0)
+        slots.append(s * width + torch.arange(size))
+        lo += size
+    return q_idx, bias, torch.cat(slots)
+
+
+def padded_segment_attention(query, key, value, trunk, layout, scale):
+    """The segment kernel as it ran until 2026-11-29: trunk causal, then all segments in one
+    batched call over gathered, padded queries and the trunk's keys copied per segment."""
+    q_idx, bias, slot = layout
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    parts = [
+        sdpa(
+            query[:, :, :trunk],
+            key[:, :, :trunk],
+            value[:, :, :trunk],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
+    ]
+    q = query[0][:, q_idx].transpose(0, 1)
+    shape = (q_idx.shape[0], key.shape[1], trunk, key.shape[3])
+    k = torch.cat([key[:, :, :trunk].expand(shape), key[0][:, q_idx].transpose(0, 1)], dim=2)
+    v = torch.cat([value[:, :, :trunk].expand(shape), value[0][:, q_idx].transpose(0, 1)], dim=2)
+    out = sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+    parts.append(flat[slot][None])
+    return torch.cat(parts, dim=1)
+
+
+def run_attention_case(args, model_path: str) -> dict:
+    """The tree attention kernel alone, on the packed minibatches of the demo actor's update
+    (the agent batch's rows split into ``ppo_n_minibatches=2`` random halves, as the actor
+    splits them): one layer's forward and backward in the model's head layout, alternating
+    between the segment kernel, its padded layout of until 2026-11-29, and sdpa with the dense
+    ancestor mask."""
+    import random
+
+    from transformers import AutoConfig
+
+    from areal_env.trainer.tree import pack_rows
+    from areal_env.trainer.tree_attention import segment_tree_attention
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // heads
+    batch, _ = make_agent_batch(cfg.vocab_size, args.problems, args.samples, args.system_len)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    rows = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    trees = [pack_rows([rows[i] for i in sorted(order[h::2])]) for h in range(2)]
+    g = torch.Generator().manual_seed(0)
+    inputs = []
+    for tree in trees:
+        n = tree.n_nodes
+        qkv = [
+            torch.randn(1, h, n, head_dim, generator=g).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)
+        ]
+        weight = torch.randn(1, n, heads, head_dim, generator=g)
+        # built once per forward and shared by every layer in training: not timed here
+        seg = tree.attention_segments()
+        extra = {"mask": tree.ancestor_mask()[None, None], "padded": padded_segment_layout(seg)}
+        inputs.append((seg, extra, qkv, weight))
+    scale = head_dim**-0.5
+
+    def segments(seg, extra, qkv):
+        return segment_tree_attention(*qkv, seg, scale)
+
+    def padded(seg, extra, qkv):
+        return padded_segment_attention(*qkv, seg.trunk, extra["padded"], scale)
+
+    def dense(seg, extra, qkv):
+        q, k, v = qkv
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=extra["mask"], scale=scale, enable_gqa=True
+        ).transpose(1, 2)
+
+    kernels = {"segments": segments, "padded": padded, "dense": dense}
+    with torch.no_grad():  # the three compute the same attention
+        for seg, extra, qkv, _ in inputs:
+            ref = dense(seg, extra, qkv)
+            for fn in (segments, padded):
+                assert (fn(seg, extra, qkv) - ref).abs().max() < 1e-4
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for it in range(args.iters + 1):  # the first round warms up
+        for name, fn in kernels.items():
+            t0 = time.perf_counter()
+            for seg, mask, qkv, weight in inputs:
+                (fn(seg, mask, qkv) * weight).sum().backward()
+            if it:
+                times[name].append(time.perf_counter() - t0)
+    seg_s, padded_s, dense_s = (statistics.median(times[k]) for k in kernels)
+    scores = 0
+    padded_scores = 0
+    for seg, _, _, _ in inputs:
+        t = seg.trunk
+        scores += t * (t + 1) // 2 + sum(w * (t + w) for w in seg.sizes)
+        padded_scores += t * (t + 1) // 2 + len(seg.sizes) * max(seg.sizes) * (t + max(seg.sizes))
+    nodes = [tree.n_nodes for tree in trees]
+    return {
+        "segments_vs_padded": round(padded_s / seg_s, 3),
+        "segments_vs_dense": round(dense_s / seg_s, 3),
+        "segments_ms": round(1000 * seg_s, 1),
+        "padded_ms": round(1000 * padded_s, 1),
+        "dense_ms": round(1000 * dense_s, 1),
+        "minibatch_nodes": nodes,
+        "scores_vs_dense": round(scores / sum(n * n for n in nodes), 3),
+        "scores_vs_padded": round(scores / padded_scores, 3),
+    }
+
+
 def run_reference_case(args, model_path: str) -> dict:
     """The KL reference's forward on the agent batch (``actor.kl_coef > 0`` runs it every step):
     as it ran before the reference got the tree kernels (fp32, dense [N, N] tree mask), with the
@@ -550,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--case",
-        choices=["synthetic", "agent", "checkpointing", "reference", "dtype", "all"],
+        choices=["synthetic", "agent", "checkpointing", "reference", "dtype", "attention", "all"],
         default="all",
     )
     ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
@@ -575,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_reference_case(args, model_path))
     if args.case == "dtype":
         result.update(run_dtype_case(args, model_path))
+    if args.case == "attention":
+        result.update(run_attention_case(args, model_path))
     result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))

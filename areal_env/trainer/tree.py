@@ -112,20 +112,13 @@ class PackedTree:
             nodes = torch.cat(roots[root])
             lo, hi = root, int(nodes.max()) + 1
             spans.append((lo, hi, roots[root]))
-        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
-            raise AssertionError("tree segments overlap: the trie was not laid out in row order")
-        width = max((hi - lo for lo, hi, _ in spans), default=1)
-        n_seg = len(spans)
-        q_idx = torch.zeros((n_seg, width), dtype=torch.long)
-        allowed = torch.zeros((n_seg, width, trunk + width), dtype=torch.bool)
-        allowed[:, :, :trunk] = True  # every node below the trunk sees all of it
-        if trunk == 0:
-            allowed[:, :, 0] = True  # padding queries attend somewhere (their output is dropped)
-        slot = torch.zeros(n - trunk, dtype=torch.long)
+        bounds = [trunk] + [b for lo, hi, _ in spans for b in (lo, hi)] + [n]
+        if bounds[::2] != bounds[1::2]:  # each segment starts where the last one ended
+            raise AssertionError("tree segments do not tile the nodes below the trunk in order")
+        own = []
         tril: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for s_i, (lo, hi, parts) in enumerate(spans):
-            q_idx[s_i, : hi - lo] = torch.arange(lo, hi)
-            slot[lo - trunk : hi - trunk] = s_i * width + torch.arange(hi - lo)
+        for lo, hi, parts in spans:
+            allowed = torch.zeros((hi - lo, hi - lo), dtype=torch.bool)
             for part in parts:
                 m = int(part.numel())
                 if m not in tril:
@@ -133,8 +126,9 @@ class PackedTree:
                     tril[m] = (qi, ki)
                 qi, ki = tril[m]
                 local = part - lo
-                allowed[s_i, local[qi], trunk + local[ki]] = True
-        return TreeSegments(trunk, q_idx, allowed[:, None], slot)
+                allowed[local[qi], local[ki]] = True
+            own.append(allowed[None, None])
+        return TreeSegments(trunk, tuple(hi - lo for lo, hi, _ in spans), own)
 
 
 def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:

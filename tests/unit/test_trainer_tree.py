@@ -46,12 +46,13 @@ def _segment_keys(seg, node: int) -> list[int]:
     """The nodes ``node`` attends to under the trunk/segment layout."""
     if node < seg.trunk:
         return list(range(node + 1))
-    s, i = divmod(int(seg.slot[node - seg.trunk]), seg.q_idx.shape[1])
-    assert int(seg.q_idx[s, i]) == node
-    allowed = seg.allowed[s, 0, i]
-    return [k for k in range(seg.trunk) if allowed[k]] + sorted(
-        int(seg.q_idx[s, j]) for j in range(seg.q_idx.shape[1]) if allowed[seg.trunk + j]
-    )
+    lo = seg.trunk
+    for size, own in zip(seg.sizes, seg.own, strict=True):
+        if node < lo + size:
+            allowed = own[0, 0, node - lo]
+            return list(range(seg.trunk)) + [lo + j for j in range(size) if allowed[j]]
+        lo += size
+    raise AssertionError(f"node {node} is in no segment")
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -67,7 +68,7 @@ def test_segment_attention_equals_the_dense_tree_mask(seed):
     tree = pack_rows(rows)
     seg = tree.attention_segments()
     dense = tree.ancestor_mask()
-    assert seg.slot.numel() == tree.n_nodes - seg.trunk
+    assert seg.trunk + sum(seg.sizes) == tree.n_nodes
     for node in range(tree.n_nodes):
         assert _segment_keys(seg, node) == dense[node].nonzero().squeeze(-1).tolist()
     n, heads, kv_heads, d = tree.n_nodes, 4, 2, 8

@@ -45,6 +45,12 @@ trunk/segment kernel, its padded layout of until 2026-11-29 (a copy kept here as
 and sdpa with the dense ancestor mask: ``segments_vs_padded``, ``segments_vs_dense``, and the
 scores each computes (``scores_vs_padded``, ``scores_vs_dense``).
 
+``--case allocator --problems 8 --samples 4`` runs the demo actor's update (as ``--case dtype``,
+in fp32) in child processes under glibc mmap thresholds of 256 KB (the setting until
+2026-11-29), ``memory.MMAP_THRESHOLD_BYTES`` and 8 MB, alternating ``--rounds`` times: each
+one's median update time, update peak RSS, page faults and kernel CPU time, and ``2m_vs_256k`` /
+``8m_vs_256k`` (update speed-ups).
+
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
 "agent_trl_tokens_per_s", "peak_rss_gb", ...}`` for the agent case (``--case all`` = both).
@@ -330,20 +336,8 @@ def run_dtype_case(args, model_path: str) -> dict:
     bf16 autocast over fp32 master weights (``model.dtype: bfloat16``), alternating: each one's
     median update time, and ``bf16_vs_fp32``. On a CPU with AMX (``amx_bf16`` in
     /proc/cpuinfo) bf16 products run several times faster than fp32 ones; without it, barely."""
-    actor_cfg = dict(
-        ppo_n_minibatches=2,
-        lr=5e-5,
-        kl_coef=0.04,
-        kl_estimator="k2",
-        ref_dtype="bfloat16",
-        micro_batch_tokens=args.micro_batch_tokens,
-    )
     actors = {
-        name: PPOActor(
-            model_path,
-            ActorConfig(**actor_cfg),
-            ModelConfig(gradient_checkpointing=True, dtype=name),
-        )
+        name: demo_actor(model_path, args.micro_batch_tokens, name)
         for name in ("float32", "bfloat16")
     }
     vocab = actors["float32"].model.config.vocab_size
@@ -498,6 +492,102 @@ def run_attention_case(args, model_path: str) -> dict:
         "scores_vs_dense": round(scores / sum(n * n for n in nodes), 3),
         "scores_vs_padded": round(scores / padded_scores, 3),
     }
+
+
+#: glibc mmap thresholds ``--case allocator`` compares: 256 KB (the setting until 2026-11-29),
+#: the current one (``memory.MMAP_THRESHOLD_BYTES``) and 8 MB.
+ALLOCATOR_THRESHOLDS = (256 * 1024, memory.MMAP_THRESHOLD_BYTES, 8 * 1024 * 1024)
+
+
+def demo_actor(model_path: str, micro_batch_tokens: int, dtype: str = "float32") -> PPOActor:
+    """The actor of ``examples/aenv/config_chains.yaml`` (two minibatches, a bf16 KL reference,
+    all layers checkpointed), computing in ``dtype``."""
+    actor_cfg = ActorConfig(
+        ppo_n_minibatches=2,
+        lr=5e-5,
+        kl_coef=0.04,
+        kl_estimator="k2",
+        ref_dtype="bfloat16",
+        micro_batch_tokens=micro_batch_tokens,
+    )
+    return PPOActor(model_path, actor_cfg, ModelConfig(gradient_checkpointing=True, dtype=dtype))
+
+
+def run_allocator_child(args, model_path: str) -> dict:
+    """One process of ``--case allocator``: the demo actor's updates on the agent batch under the
+    mmap threshold its environment sets; the update time, its peak RSS, and this process's page
+    faults and kernel CPU time over the timed updates."""
+    import resource
+
+    actor = demo_actor(model_path, args.micro_batch_tokens)
+    batch, _ = make_agent_batch(
+        actor.model.config.vocab_size, args.problems, args.samples, args.system_len
+    )
+    actor.update(_slice(batch, min(4, args.samples)), step=0)  # warm-up: optimiser state
+    memory.release_free_memory()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    times, peaks = [], []
+    for it in range(1, args.iters + 1):
+        memory.reset_peak()
+        t0 = time.perf_counter()
+        actor.update(batch, step=it)
+        times.append(time.perf_counter() - t0)
+        peaks.append(memory.peak_rss_gb())
+        memory.release_free_memory()  # as the trainer does between steps
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "update_s": statistics.median(times),
+        "update_peak_rss_gb": max(peaks),
+        "page_faults": after.ru_minflt - before.ru_minflt,
+        "kernel_cpu_s": after.ru_stime - before.ru_stime,
+        "user_cpu_s": after.ru_utime - before.ru_utime,
+    }
+
+
+def run_allocator_case(args, model_path: str) -> dict:
+    """The demo actor's update under each mmap threshold of ``ALLOCATOR_THRESHOLDS``, each in a
+    process of its own (``mallopt`` settings are per process), alternating rounds: below the
+    threshold glibc reuses freed heap memory, above it every block is mmap'ed and page-faulted
+    in again at its next allocation. Prints each one's median update time, peak RSS, page faults
+    and kernel CPU time, and the update's speed-up against 256 KB (``<MB>_vs_256k``)."""
+    import os
+    import subprocess
+
+    runs: dict[int, list[dict]] = {t: [] for t in ALLOCATOR_THRESHOLDS}
+    rounds = max(1, args.rounds)
+    for r in range(rounds):
+        for threshold in ALLOCATOR_THRESHOLDS:
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(threshold)}
+            cmd = [
+                sys.executable,
+                __file__,
+                "--case=allocator-child",
+                f"--model={args.model}",
+                f"--iters={args.iters}",
+                f"--problems={args.problems}",
+                f"--samples={args.samples}",
+                f"--micro-batch-tokens={args.micro_batch_tokens}",
+            ]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            child = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[threshold].append(child)
+            print(f"round {r + 1} threshold {threshold}: {child}", file=sys.stderr)
+    result: dict = {}
+    base = statistics.median(c["update_s"] for c in runs[ALLOCATOR_THRESHOLDS[0]])
+    for threshold, children in runs.items():
+        name = f"{threshold // 1024}k" if threshold < 2**20 else f"{threshold // 2**20}m"
+        update_s = statistics.median(c["update_s"] for c in children)
+        result[f"update_s_{name}"] = round(update_s, 2)
+        result[f"update_peak_rss_gb_{name}"] = round(
+            max(c["update_peak_rss_gb"] for c in children), 2
+        )
+        result[f"page_faults_{name}"] = int(statistics.median(c["page_faults"] for c in children))
+        result[f"kernel_cpu_s_{name}"] = round(
+            statistics.median(c["kernel_cpu_s"] for c in children), 1
+        )
+        if threshold != ALLOCATOR_THRESHOLDS[0]:
+            result[f"{name}_vs_256k"] = round(base / update_s, 3)
+    return result
 
 
 def run_reference_case(args, model_path: str) -> dict:
@@ -682,13 +772,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--case",
-        choices=["synthetic", "agent", "checkpointing", "reference", "dtype", "attention", "all"],
+        choices=[
+            "synthetic",
+            "agent",
+            "checkpointing",
+            "reference",
+            "dtype",
+            "attention",
+            "allocator",
+            "allocator-child",
+            "all",
+        ],
         default="all",
     )
     ap.add_argument("--problems", type=int, default=4, help="agent case: GRPO groups")
     ap.add_argument("--samples", type=int, default=8, help="agent case: samples per problem")
     ap.add_argument("--system-len", type=int, default=500, help="agent case: shared prompt")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="agent case: ours")
+    ap.add_argument("--rounds", type=int, default=2, help="allocator case: alternating rounds")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -709,6 +810,11 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_dtype_case(args, model_path))
     if args.case == "attention":
         result.update(run_attention_case(args, model_path))
+    if args.case == "allocator":
+        result.update(run_allocator_case(args, model_path))
+    if args.case == "allocator-child":
+        print(json.dumps(run_allocator_child(args, model_path)))
+        return 0
     result["peak_rss_gb"] = round(memory.process_peak_rss_gb(), 2)
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))

@@ -69,8 +69,8 @@ _M_ARENA_MAX = -8
 #: Blocks at least this large are mmap'ed, so freeing them gives the pages back at once. Every
 #: mmap'ed block is page-faulted in again when it is next allocated: at 256 KB (until
 #: 2026-11-29) the demo actor's update spent 28 % of its CPU time in the kernel (37 million page
-#: faults per three updates); at 2 MB the update is 1.3x faster for 0.4 GB more at its peak
-#: (docs/training.md, "Memory").
+#: faults per three updates); at 2 MB the update is 1.24x faster for 0.4 GB more at its peak
+#: (``bench/train_step.py --case allocator``; docs/training.md, "Memory").
 MMAP_THRESHOLD_BYTES = 2 * 1024 * 1024
 _tuned: bool | None = None
 

@@ -91,9 +91,10 @@ def segment_tree_attention(
     scores instead of the dense mask's ``N^2`` (in an agent batch, where a segment is one task's
     rows, about a third). The segments are cut from the packed tensors with ``split``, whose
     backward is one concatenation: padding them to one width and gathering them, as this
-    function did until 2026-11-29, computed 1.4x the scores on the demo's batch (segments of
-    121-302 nodes padded to 302) and scattered the gradients back into zero-filled copies of
-    the queries, keys and values; forward and backward took 1.3x as long.
+    function did until 2026-11-29, computed 1.6x the scores on the demo actor's minibatches
+    (segments of 121-302 nodes padded to 302) and scattered the gradients back into zero-filled
+    copies of the queries, keys and values: forward and backward took 1.43-1.48x as long
+    (``bench/train_step.py --case attention``).
     """
     t = seg.trunk
     gqa = key.shape[1] != query.shape[1]

@@ -14,7 +14,10 @@ same run; p-values are exact McNemar tests of the paired per-problem outcomes.
 One JSON line per run, then a summary line (the last line): ``{"runs", "worst_run", "targets",
 "all_met", ...}``. Per run: success before/after per set and per kind (one-call kinds by
 operation, multi-call problems by their number of calls), gained/lost, p-values, wall time with
-set-up apart from training and evaluation, and the peak memory. Targets (issue 30, idle 2-core
+set-up apart from training and evaluation (each evaluation, rollouts and updates apart), the peak
+memory, and the machine's fp32 matrix rate measured just before and after the run (see
+:func:`matrix_rate_gflops`: the 2-core machines ran it at 135-258 GFLOP/s from one session to
+the next, and a run's wall time follows it). Targets (issue 30, idle 2-core
 CPU): every run gains >= 20 points with p < 0.01 on the held-out set and gains significantly
 (p < 0.05) on the new phrasings; held-out problems of two and more calls >= 30 % solved after
 training (the new phrasings' share is reported beside it);
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +97,7 @@ def _one_run(module: Any, args: argparse.Namespace, fileroot: str, seed: int) ->
     argv_run = ["--config", str(Path(args.config).resolve()), *argv_run]
     Path(fileroot).mkdir(parents=True, exist_ok=True)
     metrics_file = Path(fileroot) / f"metrics-s{seed}.json"
+    rate_before = matrix_rate_gflops()
     t0 = time.monotonic()
     # a process per run: runs in one process measured 5.2, 5.8, 6.2, 6.8 GB peaks, one after the
     # other (what the earlier runs left behind), where each make demo is a process of its own
@@ -100,6 +105,7 @@ def _one_run(module: Any, args: argparse.Namespace, fileroot: str, seed: int) ->
         [sys.executable, str(SCRIPT), *argv_run, "--metrics-out", str(metrics_file)], check=True
     )
     wall = time.monotonic() - t0
+    rate_after = matrix_rate_gflops()
     metrics = json.loads(metrics_file.read_text(encoding="utf-8"))
     run_dir = Path(metrics["run_dir"])
     evals = read_eval_log(run_dir)
@@ -142,11 +148,46 @@ def _one_run(module: Any, args: argparse.Namespace, fileroot: str, seed: int) ->
     # the last step's time/step_s includes the evaluation after it: training is what is left
     out["train_s"] = round(max(0.0, wall - out["setup_s"] - eval_s), 1)
     out["eval_s"] = round(eval_s, 1)
+    out["eval_before_s"] = round(float(evals[0].get("time_s", 0.0)), 1)
+    out["eval_after_s"] = round(float(evals[-1].get("time_s", 0.0)), 1)
+    out["rollout_s"] = round(sum(s.get("time/rollout_s", 0.0) for s in steps), 1)
+    out["update_s"] = round(sum(s.get("time/update_s", 0.0) for s in steps), 1)
+    out["machine_fp32_gflops"] = {"before": rate_before, "after": rate_after}
     out["peak_rss_gb"] = round(max((s.get("mem/peak_rss_gb", 0.0) for s in steps), default=0), 2)
     out["train_reward_per_step"] = [round(s.get("reward/mean", 0.0), 3) for s in steps]
     out["zero_variance_groups_per_step"] = [int(s.get("groups/zero_variance", 0)) for s in steps]
     out["run_dir"] = str(run_dir)
     return out
+
+
+MATRIX_SHAPE = (4096, 576, 1536)
+"""The product :func:`matrix_rate_gflops` times: the demo model's MLP projection over a packed
+update's worth of tokens (SmolLM2-135M: hidden 576, intermediate 1536)."""
+
+
+def matrix_rate_gflops(rounds: int = 5, products: int = 8) -> float:
+    """This machine's fp32 matrix rate now (GFLOP/s, the median of ``rounds`` rounds of
+    ``products`` products of :data:`MATRIX_SHAPE`, on torch's default threads).
+
+    Why: the update runs at the CPU's fp32 matrix rate and the engine near it, so a run's wall
+    time scales with it. The 2-core machines this project runs on differed by up to 1.9x from
+    one session to the next (258 GFLOP/s on 2026-11-28, 149-185 and 135-153 on 2026-11-29; the
+    same seed of the demo took 1,053 s at the second and 1,428 s at the third). Measured beside
+    every run, it says whether two runs' wall times can be compared at all."""
+    import torch
+
+    m, k, n = MATRIX_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    a @ b  # warm-up: thread pool, kernel choice
+    seconds = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(products):
+            a @ b
+        seconds.append((time.perf_counter() - t0) / products)
+    return round(2 * m * k * n / statistics.median(seconds) / 1e9, 1)
 
 
 def _share_solved(
@@ -204,6 +245,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             r["multi_call_after_by_set"].get("new_phrasing") for r in results
         ],
         "wall_s": [r["wall_s"] for r in results],
+        "machine_fp32_gflops": [r.get("machine_fp32_gflops") for r in results],
         "peak_rss_gb": [r["peak_rss_gb"] for r in results],
         "worst_run": None if worst is None else {"seed": worst["seed"], **worst["heldout"]},
         "targets": TARGETS,

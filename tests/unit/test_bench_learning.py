@@ -41,6 +41,7 @@ def _run(seed: int, *, gain: float, p: float, new_p: float, multi: float, wall: 
         "multi_call_after_by_set": {"heldout": multi, "new_phrasing": 0.0},
         "wall_s": wall,
         "peak_rss_gb": 5.0,
+        "machine_fp32_gflops": {"before": 150.0 + seed, "after": 140.0 + seed},
     }
 
 
@@ -61,3 +62,20 @@ def test_summary_names_the_worst_run_and_each_missed_target():
     assert out["all_met"] is False
     assert out["multi_call_after_new_phrasing"] == [0.0, 0.0]
     assert bench.summarize([good])["all_met"] is True
+
+
+def test_summary_lists_each_runs_machine_rate():
+    bench = _bench()
+    runs = [_run(s, gain=40.0, p=1e-6, new_p=1e-3, multi=0.5, wall=800.0) for s in (1, 2)]
+    rates = bench.summarize(runs)["machine_fp32_gflops"]
+    assert rates == [{"before": 151.0, "after": 141.0}, {"before": 152.0, "after": 142.0}]
+
+
+def test_matrix_rate_is_measured_not_assumed():
+    """Two measurements of a product the machine really runs: positive, finite and within a
+    factor of a few of each other (the same machine, seconds apart)."""
+    bench = _bench()
+    first = bench.matrix_rate_gflops(rounds=2, products=2)
+    second = bench.matrix_rate_gflops(rounds=2, products=2)
+    assert 0.5 < first < 1e5 and 0.5 < second < 1e5
+    assert max(first, second) / min(first, second) < 5

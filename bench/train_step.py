@@ -569,6 +569,7 @@ def run_allocator_case(args, model_path: str) -> dict:
                 f"--iters={args.iters}",
                 f"--problems={args.problems}",
                 f"--samples={args.samples}",
+                f"--system-len={args.system_len}",
                 f"--micro-batch-tokens={args.micro_batch_tokens}",
             ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)

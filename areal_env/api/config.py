@@ -459,6 +459,13 @@ class ActorConfig:
     """Upper clip range (asymmetric clipping); None = eps_clip."""
     ppo_n_minibatches: int = 2
     """Minibatches (optimizer steps) per PPO epoch."""
+    minibatch_by_group: bool = True
+    """Keep each group's rows (``group_ids``: one prompt's samples) in one minibatch, the groups
+    shuffled and dealt to the minibatch with the fewest tokens so far. A group's rows share the
+    prompt and often the first turns, which tree training then computes once instead of once
+    per minibatch (5-8 % fewer computed tokens on the demo's batches); off = rows dealt at
+    random, a group split across minibatches. Without group ids, or with fewer groups than
+    minibatches, rows are dealt at random either way."""
     ppo_epochs: int = 1
     """Passes over each batch."""
     group_adv_norm: bool = True

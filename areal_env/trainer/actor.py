@@ -40,6 +40,7 @@ from areal_env.trainer.actor_math import (
     has_plain_head,
     high_entropy_mask,
     install_scored_forward,
+    minibatch_rows,
     optimizer_steps_taken,
     ppo_token_loss,
     resolve_device,
@@ -541,14 +542,19 @@ class PPOActor:
             return stats
         stats["actor/update_skipped"] = 0.0
         gen = torch.Generator().manual_seed(self.seed * 100_003 + (step or self.update_count))
-        n_rows = pb.mask.shape[0]
+        group_ids = batch.get("group_ids")
         sums: dict[str, float] = {}
         tally = UpdateTally(t_start=t_start)
         self.model.train()
         for _ in range(a.ppo_epochs):
-            perm = torch.randperm(n_rows, generator=gen).tolist()
-            n_mb = min(a.ppo_n_minibatches, n_rows)
-            for mb_rows in (perm[i::n_mb] for i in range(n_mb)):
+            minibatches = minibatch_rows(
+                a.ppo_n_minibatches,
+                pb.lengths,
+                group_ids if isinstance(group_ids, torch.Tensor) else None,
+                gen,
+                by_group=a.minibatch_by_group,
+            )
+            for mb_rows in minibatches:
                 first_mb = not tally.grad_norms and tally.skipped_nonfinite == 0
                 mb_tokens = int(pb.mask[mb_rows].sum())
                 if mb_tokens == 0:

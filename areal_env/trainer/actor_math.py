@@ -254,6 +254,38 @@ def row_lengths(attn: torch.Tensor) -> list[int]:
     return [max(int(x) + 1, 1) for x in last]
 
 
+def minibatch_rows(
+    n_minibatches: int,
+    lengths: list[int],
+    group_ids: torch.Tensor | None,
+    generator: torch.Generator,
+    *,
+    by_group: bool,
+) -> list[list[int]]:
+    """The rows of each minibatch of one PPO epoch, in a random order drawn from ``generator``.
+
+    ``by_group``: whole groups go to one minibatch (shuffled, each to the minibatch with the
+    fewest tokens so far), so that the prompt and turns a group's rows share are packed into
+    one trie; otherwise, or with fewer groups than minibatches, rows are dealt round-robin from
+    a random permutation. Empty minibatches are never returned."""
+    n_rows = len(lengths)
+    n_mb = min(n_minibatches, n_rows)
+    perm = torch.randperm(n_rows, generator=generator).tolist()
+    if by_group and group_ids is not None and n_mb > 1:
+        members: dict[int, list[int]] = {}
+        for r in perm:  # groups in the order their first row was drawn
+            members.setdefault(int(group_ids[r]), []).append(r)
+        if len(members) >= n_mb:
+            out: list[list[int]] = [[] for _ in range(n_mb)]
+            load = [0] * n_mb
+            for rows in members.values():
+                i = min(range(n_mb), key=lambda j: (load[j], j))
+                out[i].extend(rows)
+                load[i] += sum(lengths[r] for r in rows)
+            return [mb for mb in out if mb]
+    return [mb for mb in (perm[i::n_mb] for i in range(n_mb)) if mb]
+
+
 @dataclass
 class MicroBatchPlan:
     """The micro-batches of a set of rows and whether they are tree-packed."""

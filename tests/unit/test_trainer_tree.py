@@ -10,6 +10,7 @@ import torch
 from areal_env.api.config import ActorConfig, ConfigError, ModelConfig
 from areal_env.trainer.actor import PPOActor
 from areal_env.trainer.actor_lora import enable_checkpointing
+from areal_env.trainer.actor_math import minibatch_rows
 from areal_env.trainer.tree import pack_rows, packed_size, tree_micro_batches
 from areal_env.trainer.tree_attention import (
     FLEX_BLOCK,
@@ -426,3 +427,37 @@ def test_update_reports_tree_packing_and_peak_memory(actor, tokenizer):
     assert stats["actor/tree_packed"] == 1.0
     assert stats["actor/token_sharing"] > 1.5
     assert 0.3 < stats["mem/update_peak_rss_gb"] < 64
+
+
+def test_minibatches_keep_groups_whole_and_balance_tokens():
+    groups = torch.tensor([g for g in range(6) for _ in range(4)])
+    lengths = [100 + 10 * (r % 5) for r in range(24)]
+    gen = torch.Generator().manual_seed(0)
+    mbs = minibatch_rows(2, lengths, groups, gen, by_group=True)
+    assert sorted(r for mb in mbs for r in mb) == list(range(24))
+    assert all(len({int(groups[r]) for r in mb}) * 4 == len(mb) for mb in mbs)  # whole groups
+    loads = [sum(lengths[r] for r in mb) for mb in mbs]
+    assert max(loads) - min(loads) <= max(lengths) * 4
+    # another draw deals the groups differently; rows at random split groups
+    other = minibatch_rows(2, lengths, groups, torch.Generator().manual_seed(1), by_group=True)
+    assert {frozenset(mb) for mb in other} != {frozenset(mb) for mb in mbs}
+    rows = minibatch_rows(2, lengths, groups, torch.Generator().manual_seed(0), by_group=False)
+    assert any(len({int(groups[r]) for r in mb}) == 6 for mb in rows)
+    # fewer groups than minibatches, or no group ids: rows at random; never an empty minibatch
+    one = minibatch_rows(2, lengths[:4], groups[:4], gen, by_group=True)
+    assert sorted(map(len, one)) == [2, 2]
+    few = minibatch_rows(4, lengths[:3], None, gen, by_group=True)
+    assert sorted(map(len, few)) == [1, 1, 1]
+
+
+def test_group_minibatches_compute_fewer_tree_tokens(model_path, tokenizer):
+    batch = _agent_batch(tokenizer, seed=3)
+    computed = {}
+    for by_group in (True, False):
+        cfg = ActorConfig(ppo_n_minibatches=2, micro_batch_tokens=4096, lr=1e-5)
+        cfg.minibatch_by_group, cfg.tree_training = by_group, "on"
+        a = PPOActor(model_path, cfg, ModelConfig(gradient_checkpointing=True), seed=2)
+        stats = a.update(batch, step=1)
+        assert stats["actor/update_skipped"] == 0.0
+        computed[by_group] = stats["actor/computed_tokens"]
+    assert computed[True] < computed[False]

@@ -40,16 +40,27 @@ bf16 autocast over fp32 master weights (``model.dtype: bfloat16``), alternating:
 
 ``--case attention`` times the tree attention kernel alone (one layer's forward and backward in
 the model's head layout) on the packed minibatches of the demo actor (``--problems 8 --samples
-4``: two random halves of the rows, as ``ppo_n_minibatches=2`` splits them), alternating: the
-trunk/segment kernel, its padded layout of until 2026-11-29 (a copy kept here as the baseline)
-and sdpa with the dense ancestor mask: ``segments_vs_padded``, ``segments_vs_dense``, and the
-scores each computes (``scores_vs_padded``, ``scores_vs_dense``).
+4``: the groups dealt to two minibatches, as ``ppo_n_minibatches=2`` deals them), alternating:
+the trunk/segment kernel (a segment per row), its per-task layout of until 2026-11-29 (a copy
+kept here as the baseline) and sdpa with the dense ancestor mask: ``segments_vs_tasks``,
+``segments_vs_dense``, the scores each computes (``scores_vs_tasks``, ``scores_vs_dense``), and
+the same kernels' bf16 forward on the whole batch, as the KL reference runs it
+(``reference_segments_vs_tasks``, ``reference_segments_vs_dense``).
 
 ``--case allocator --problems 8 --samples 4`` runs the demo actor's update (as ``--case dtype``,
 in fp32) in child processes under glibc mmap thresholds of 256 KB (the setting until
 2026-11-29), ``memory.MMAP_THRESHOLD_BYTES`` and 8 MB, alternating ``--rounds`` times: each
 one's median update time, update peak RSS, page faults and kernel CPU time, and ``2m_vs_256k`` /
 ``8m_vs_256k`` (update speed-ups).
+
+``--case minibatches`` runs the demo actor's update with minibatches of whole groups
+(``actor.minibatch_by_group``, the default) and of rows dealt at random, alternating: each one's
+median update time and computed (trie) tokens, and ``groups_vs_rows``.
+
+``--tokens RUN_DIR [--step N]`` replaces the synthetic agent rows of every agent-shaped case but
+``agent`` with the batch a real run trained on at step N (its first recorded step by default),
+rebuilt from the run's token records: the demo's real rows are longer (650-940 tokens), their
+questions share first words, and a group's samples often share their first turns.
 
 Last line: ``{"tokens_per_s", "trl_tokens_per_s", "vs_trl", ...}`` for the synthetic case and
 ``{"tree_vs_trl", "tree_vs_flat", "tree_tokens_per_s", "flat_tokens_per_s",
@@ -65,6 +76,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -156,6 +168,90 @@ def make_agent_batch(
     batch["logprobs"] = torch.where(mask, -torch.rand(b, width, generator=g) * 5, 0.0)
     batch["versions"] = torch.where(mask, 0, -1).int()
     return batch, prompt_lens
+
+
+def recorded_batch(run_dir: str, step: int | None = None) -> dict[str, torch.Tensor]:
+    """The batch one step of a real run trained on, rebuilt from its token records
+    (``run_dir/tokens``, see docs/viewer.md): the rows' tokens, loss masks, the engine's
+    logprobs, rewards and groups. ``step`` None = the run's first recorded step."""
+    from areal_env.view.tokens import TokenRecords
+
+    records = TokenRecords(Path(run_dir))
+    records.refresh()
+    steps = records.steps()
+    if not steps:
+        raise SystemExit(f"--tokens {run_dir}: no token records there (run_dir/tokens/step-*)")
+    step = steps[0] if step is None else step
+    if step not in steps:
+        raise SystemExit(f"--tokens {run_dir}: no step {step} (recorded: {steps})")
+    rows, rewards, groups = [], [], []
+    for part in records.parts_of(step):
+        for entry in part.sessions:
+            for row, meta in zip(records.read_block(part, entry), entry["rows"], strict=True):
+                rows.append(row)
+                rewards.append(float(meta["reward"]))
+                groups.append(int(entry["group"]))
+    width = max(len(r.input_ids) for r in rows)
+    b = len(rows)
+    batch = {
+        "input_ids": torch.zeros(b, width, dtype=torch.long),
+        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
+        "logprobs": torch.zeros(b, width),
+        "versions": torch.full((b, width), -1, dtype=torch.int32),
+        "rewards": torch.tensor(rewards),
+        "group_ids": torch.tensor(groups),
+        "traj_ids": torch.arange(b),
+    }
+    for i, row in enumerate(rows):
+        n = len(row.input_ids)
+        scored = torch.from_numpy(row.loss_mask.astype("bool"))
+        batch["input_ids"][i, :n] = torch.from_numpy(row.input_ids.astype("int64"))
+        batch["attention_mask"][i, :n] = True
+        batch["loss_mask"][i, :n] = scored.int()
+        batch["logprobs"][i, :n][scored] = torch.from_numpy(row.rollout_logprob.astype("float32"))
+        batch["versions"][i, :n][scored] = 0
+    return batch
+
+
+def demo_batch(args, vocab: int) -> dict[str, torch.Tensor]:
+    """The batch an agent-shaped case trains on: a recorded step (``--tokens``) or synthetic
+    agent rows (``--problems``, ``--samples``, ``--system-len``)."""
+    if args.tokens:
+        return recorded_batch(args.tokens, args.step)
+    return make_agent_batch(vocab, args.problems, args.samples, args.system_len)[0]
+
+
+def run_minibatch_case(args, model_path: str) -> dict:
+    """The demo actor's update with minibatches of whole groups (``actor.minibatch_by_group``,
+    the default) and of rows dealt at random, alternating: each one's median update time and
+    computed (trie) tokens, and ``groups_vs_rows``."""
+    actors = {}
+    for by_group in (True, False):
+        actor = demo_actor(model_path, args.micro_batch_tokens)
+        actor.cfg.minibatch_by_group = by_group
+        actors["groups" if by_group else "rows"] = actor
+    batch = demo_batch(args, actors["rows"].model.config.vocab_size)
+    for actor in actors.values():  # warm-up: allocations, optimiser state
+        actor.update(_slice(batch, 4), step=0)
+    times: dict[str, list[float]] = {name: [] for name in actors}
+    tokens: dict[str, list[float]] = {name: [] for name in actors}
+    for it in range(1, args.iters + 1):
+        for name, actor in actors.items():
+            t0 = time.perf_counter()
+            stats = actor.update(batch, step=it)
+            times[name].append(time.perf_counter() - t0)
+            tokens[name].append(stats["actor/computed_tokens"])
+            print(f"iter {it} {name}: {times[name][-1]:.1f} s", file=sys.stderr)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "groups_vs_rows": round(med["rows"] / med["groups"], 3),
+        "groups_update_s": round(med["groups"], 2),
+        "rows_update_s": round(med["rows"], 2),
+        "groups_computed_tokens": statistics.median(tokens["groups"]),
+        "rows_computed_tokens": statistics.median(tokens["rows"]),
+        "rows": int(batch["input_ids"].shape[0]),
+    }
 
 
 def trl_agent_inputs(batch, prompt_lens: list[int], device):
@@ -285,7 +381,7 @@ def run_checkpointing_case(args, model_path: str) -> dict:
     )
     actor.cfg.tree_training = "on"
     vocab = actor.model.config.vocab_size
-    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    batch = demo_batch(args, vocab)
     lengths = batch["attention_mask"].sum(1).tolist()
     logical = int(sum(lengths))
 
@@ -343,7 +439,7 @@ def run_dtype_case(args, model_path: str) -> dict:
         for name in ("float32", "bfloat16")
     }
     vocab = actors["float32"].model.config.vocab_size
-    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    batch = demo_batch(args, vocab)
     lengths = batch["attention_mask"].sum(1).tolist()
     plan = actors["float32"].plan_micro_batches(
         batch["input_ids"], lengths, list(range(len(lengths)))
@@ -372,90 +468,105 @@ def run_dtype_case(args, model_path: str) -> dict:
     }
 
 
-def padded_segment_layout(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout the segment kernel used until 2026-11-29 (the baseline of ``--case
-    attention``): every segment padded to the widest, as [S, W] node indices, a [S, 1, W,
-    trunk + W] additive mask, and each node's flat slot."""
-    t, width = seg.trunk, max(seg.sizes)
-    q_idx = torch.zeros((len(seg.sizes), width), dtype=torch.long)
-    bias = torch.full((len(seg.sizes), 1, width, t + width), torch.finfo(torch.float32).min)
-    bias[..., :t] = 0.0
-    slots, lo = [], t
-    for s, (size, own) in enumerate(zip(seg.sizes, seg.own, strict=True)):
-        q_idx[s, :size] = torch.arange(lo, lo + size)
-        bias[s, :, :size, t : t + size].masked_fill_(own[0], 0.0)
-        slots.append(s * width + torch.arange(size))
-        lo += size
-    return q_idx, bias, torch.cat(slots)
+@dataclass
+class TaskSegments:
+    """The segment layout of until 2026-11-29 (the baseline of ``--case attention``): after the
+    trunk, one segment per child of the trunk (the nodes below it: one or more tasks' rows),
+    each attending to the whole trunk and, under its tree mask ``own`` [W, W], to itself."""
+
+    trunk: int
+    sizes: tuple[int, ...]
+    bias: list[torch.Tensor]  # per segment: [1, 1, W, trunk + W] additive
 
 
-def padded_segment_attention(query, key, value, trunk, layout, scale):
-    """The segment kernel as it ran until 2026-11-29: trunk causal, then all segments in one
-    batched call over gathered, padded queries and the trunk's keys copied per segment."""
-    q_idx, bias, slot = layout
+def task_segment_layout(tree) -> TaskSegments:
+    """``TaskSegments`` of a packed trie, built as ``PackedTree.attention_segments`` did."""
+    trunk = tree.attention_segments().trunk
+    roots: dict[int, list[torch.Tensor]] = {}
+    for path in tree.paths:
+        if int(path.numel()) > trunk:
+            roots.setdefault(int(path[trunk]), []).append(path[trunk:])
+    sizes, bias = [], []
+    for root in sorted(roots):
+        lo, hi = root, int(torch.cat(roots[root]).max()) + 1
+        own = torch.zeros((hi - lo, hi - lo), dtype=torch.bool)
+        for part in roots[root]:
+            qi, ki = torch.tril_indices(part.numel(), part.numel())
+            own[(part - lo)[qi], (part - lo)[ki]] = True
+        mask = torch.zeros((1, 1, hi - lo, trunk + hi - lo))
+        mask[..., trunk:].masked_fill_(~own, torch.finfo(torch.float32).min)
+        sizes.append(hi - lo)
+        bias.append(mask)
+    return TaskSegments(trunk, tuple(sizes), bias)
+
+
+def task_segment_attention(query, key, value, seg: TaskSegments, scale):
+    """The segment kernel as it ran until 2026-11-29: trunk causal, then one sdpa call per
+    segment over the trunk's keys and the segment's own, under its tree mask."""
+    t = seg.trunk
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    parts = [
-        sdpa(
-            query[:, :, :trunk],
-            key[:, :, :trunk],
-            value[:, :, :trunk],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2)
-    ]
-    q = query[0][:, q_idx].transpose(0, 1)
-    shape = (q_idx.shape[0], key.shape[1], trunk, key.shape[3])
-    k = torch.cat([key[:, :, :trunk].expand(shape), key[0][:, q_idx].transpose(0, 1)], dim=2)
-    v = torch.cat([value[:, :, :trunk].expand(shape), value[0][:, q_idx].transpose(0, 1)], dim=2)
-    out = sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
-    flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
-    parts.append(flat[slot][None])
-    return torch.cat(parts, dim=1)
+    sizes = [t, *seg.sizes]
+    qs, ks, vs = query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2)
+    parts = [sdpa(qs[0], ks[0], vs[0], is_causal=True, scale=scale, enable_gqa=True)] if t else []
+    for q, k, v, bias in zip(qs[1:], ks[1:], vs[1:], seg.bias, strict=True):
+        k, v = torch.cat([ks[0], k], dim=2), torch.cat([vs[0], v], dim=2)
+        parts.append(sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True))
+    return torch.cat(parts, dim=2).transpose(1, 2)
 
 
 def run_attention_case(args, model_path: str) -> dict:
     """The tree attention kernel alone, on the packed minibatches of the demo actor's update
-    (the agent batch's rows split into ``ppo_n_minibatches=2`` random halves, as the actor
-    splits them): one layer's forward and backward in the model's head layout, alternating
-    between the segment kernel, its padded layout of until 2026-11-29, and sdpa with the dense
-    ancestor mask."""
-    import random
-
+    (the agent batch's groups dealt to ``ppo_n_minibatches=2`` minibatches, as the actor deals
+    them): one layer's forward and backward in the model's head layout, alternating between the
+    segment kernel (one row per segment), its per-task layout of until 2026-11-29 and sdpa with
+    the dense ancestor mask; then the same three without gradients in bf16 on the whole batch
+    (the KL reference's forward)."""
     from transformers import AutoConfig
 
+    from areal_env.trainer.actor_math import minibatch_rows
     from areal_env.trainer.tree import pack_rows
     from areal_env.trainer.tree_attention import segment_tree_attention
 
     cfg = AutoConfig.from_pretrained(model_path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.hidden_size // heads
-    batch, _ = make_agent_batch(cfg.vocab_size, args.problems, args.samples, args.system_len)
+    batch = demo_batch(args, cfg.vocab_size)
     lengths = batch["attention_mask"].sum(1).tolist()
     rows = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
-    order = list(range(len(rows)))
-    random.Random(0).shuffle(order)
-    trees = [pack_rows([rows[i] for i in sorted(order[h::2])]) for h in range(2)]
+    minibatches = minibatch_rows(
+        2, lengths, batch["group_ids"], torch.Generator().manual_seed(0), by_group=True
+    )
     g = torch.Generator().manual_seed(0)
-    inputs = []
-    for tree in trees:
-        n = tree.n_nodes
-        qkv = [
-            torch.randn(1, h, n, head_dim, generator=g).requires_grad_()
-            for h in (heads, kv_heads, kv_heads)
-        ]
-        weight = torch.randn(1, n, heads, head_dim, generator=g)
-        # built once per forward and shared by every layer in training: not timed here
-        seg = tree.attention_segments()
-        extra = {"mask": tree.ancestor_mask()[None, None], "padded": padded_segment_layout(seg)}
-        inputs.append((seg, extra, qkv, weight))
+
+    def inputs_of(trees, dtype, grad):
+        out = []
+        for tree in trees:
+            n = tree.n_nodes
+            qkv = [
+                torch.randn(1, h, n, head_dim, generator=g).to(dtype).requires_grad_(grad)
+                for h in (heads, kv_heads, kv_heads)
+            ]
+            weight = torch.randn(1, n, heads, head_dim, generator=g).to(dtype)
+            # built once per forward and shared by every layer in training: not timed here
+            seg = tree.attention_segments()
+            extra = {"mask": tree.ancestor_mask()[None, None], "tasks": task_segment_layout(tree)}
+            if dtype != torch.float32:
+                extra["tasks"].bias = [b.to(dtype) for b in extra["tasks"].bias]
+            out.append((seg, extra, qkv, weight))
+        return out
+
+    train_trees = [pack_rows([rows[i] for i in sorted(mb)]) for mb in minibatches]
+    cases = {
+        "train": inputs_of(train_trees, torch.float32, True),
+        "reference": inputs_of([pack_rows(rows)], torch.bfloat16, False),
+    }
     scale = head_dim**-0.5
 
     def segments(seg, extra, qkv):
         return segment_tree_attention(*qkv, seg, scale)
 
-    def padded(seg, extra, qkv):
-        return padded_segment_attention(*qkv, seg.trunk, extra["padded"], scale)
+    def tasks(seg, extra, qkv):
+        return task_segment_attention(*qkv, extra["tasks"], scale)
 
     def dense(seg, extra, qkv):
         q, k, v = qkv
@@ -463,37 +574,47 @@ def run_attention_case(args, model_path: str) -> dict:
             q, k, v, attn_mask=extra["mask"], scale=scale, enable_gqa=True
         ).transpose(1, 2)
 
-    kernels = {"segments": segments, "padded": padded, "dense": dense}
+    kernels = {"segments": segments, "tasks": tasks, "dense": dense}
     with torch.no_grad():  # the three compute the same attention
-        for seg, extra, qkv, _ in inputs:
+        for seg, extra, qkv, _ in cases["train"]:
             ref = dense(seg, extra, qkv)
-            for fn in (segments, padded):
+            for fn in (segments, tasks):
                 assert (fn(seg, extra, qkv) - ref).abs().max() < 1e-4
-    times: dict[str, list[float]] = {name: [] for name in kernels}
-    for it in range(args.iters + 1):  # the first round warms up
-        for name, fn in kernels.items():
-            t0 = time.perf_counter()
-            for seg, extra, qkv, weight in inputs:
-                (fn(seg, extra, qkv) * weight).sum().backward()
-            if it:
-                times[name].append(time.perf_counter() - t0)
-    seg_s, padded_s, dense_s = (statistics.median(times[k]) for k in kernels)
-    scores = 0
-    padded_scores = 0
-    for seg, _, _, _ in inputs:
+    medians: dict[str, dict[str, float]] = {}
+    for case, inputs in cases.items():
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for it in range(args.iters + 1):  # the first round warms up
+            for name, fn in kernels.items():
+                t0 = time.perf_counter()
+                for seg, extra, qkv, weight in inputs:
+                    if case == "train":
+                        (fn(seg, extra, qkv) * weight).sum().backward()
+                    else:
+                        with torch.no_grad():
+                            fn(seg, extra, qkv)
+                if it:
+                    times[name].append(time.perf_counter() - t0)
+        medians[case] = {name: statistics.median(ts) for name, ts in times.items()}
+    scores = task_scores = 0
+    for seg, extra, _, _ in cases["train"]:
         t = seg.trunk
-        scores += t * (t + 1) // 2 + sum(w * (t + w) for w in seg.sizes)
-        padded_scores += t * (t + 1) // 2 + len(seg.sizes) * max(seg.sizes) * (t + max(seg.sizes))
-    nodes = [tree.n_nodes for tree in trees]
+        scores += t * (t + 1) // 2 + sum(
+            w * int(k.numel()) for w, k in zip(seg.sizes, seg.keys, strict=True)
+        )
+        task_scores += t * (t + 1) // 2 + sum(w * (t + w) for w in extra["tasks"].sizes)
+    nodes = [tree.n_nodes for tree in train_trees]
+    train, ref = medians["train"], medians["reference"]
     return {
-        "segments_vs_padded": round(padded_s / seg_s, 3),
-        "segments_vs_dense": round(dense_s / seg_s, 3),
-        "segments_ms": round(1000 * seg_s, 1),
-        "padded_ms": round(1000 * padded_s, 1),
-        "dense_ms": round(1000 * dense_s, 1),
+        "segments_vs_tasks": round(train["tasks"] / train["segments"], 3),
+        "segments_vs_dense": round(train["dense"] / train["segments"], 3),
+        "segments_ms": round(1000 * train["segments"], 1),
+        "tasks_ms": round(1000 * train["tasks"], 1),
+        "dense_ms": round(1000 * train["dense"], 1),
+        "reference_segments_vs_tasks": round(ref["tasks"] / ref["segments"], 3),
+        "reference_segments_vs_dense": round(ref["dense"] / ref["segments"], 3),
         "minibatch_nodes": nodes,
         "scores_vs_dense": round(scores / sum(n * n for n in nodes), 3),
-        "scores_vs_padded": round(scores / padded_scores, 3),
+        "scores_vs_tasks": round(scores / task_scores, 3),
     }
 
 
@@ -523,9 +644,7 @@ def run_allocator_child(args, model_path: str) -> dict:
     import resource
 
     actor = demo_actor(model_path, args.micro_batch_tokens)
-    batch, _ = make_agent_batch(
-        actor.model.config.vocab_size, args.problems, args.samples, args.system_len
-    )
+    batch = demo_batch(args, actor.model.config.vocab_size)
     actor.update(_slice(batch, min(4, args.samples)), step=0)  # warm-up: optimiser state
     memory.release_free_memory()
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -571,6 +690,8 @@ def run_allocator_case(args, model_path: str) -> dict:
                 f"--samples={args.samples}",
                 f"--system-len={args.system_len}",
                 f"--micro-batch-tokens={args.micro_batch_tokens}",
+                *([f"--tokens={args.tokens}"] if args.tokens else []),
+                *([f"--step={args.step}"] if args.step is not None else []),
             ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             child = json.loads(out.stdout.strip().splitlines()[-1])
@@ -617,7 +738,7 @@ def run_reference_case(args, model_path: str) -> dict:
     dense.requires_grad_(False)
     assert dense.config._attn_implementation == "sdpa"  # no tree kernels: the dense mask
     vocab = dense.config.vocab_size
-    batch, _ = make_agent_batch(vocab, args.problems, args.samples, args.system_len)
+    batch = demo_batch(args, vocab)
     lengths = batch["attention_mask"].sum(1).tolist()
     ways = {
         "dense_fp32": (actors["fp32"], dense),
@@ -785,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
             "attention",
             "allocator",
             "allocator-child",
+            "minibatches",
             "all",
         ],
         default="all",
@@ -794,6 +916,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-len", type=int, default=500, help="agent case: shared prompt")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="agent case: ours")
     ap.add_argument("--rounds", type=int, default=2, help="allocator case: alternating rounds")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="agent-shaped cases but agent: a run folder whose recorded batch (run_dir/tokens) "
+        "replaces the synthetic rows",
+    )
+    ap.add_argument("--step", type=int, default=None, help="--tokens: the recorded step")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -816,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_attention_case(args, model_path))
     if args.case == "allocator":
         result.update(run_allocator_case(args, model_path))
+    if args.case == "minibatches":
+        result.update(run_minibatch_case(args, model_path))
     if args.case == "allocator-child":
         print(json.dumps(run_allocator_child(args, model_path)))
         return 0

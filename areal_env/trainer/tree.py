@@ -93,9 +93,8 @@ class PackedTree:
         """The trunk/segment layout of ``tree_attention.segment_tree_attention``.
 
         The trunk is the prefix every row shares (nodes ``0..T-1``: the first row in trie order
-        lays it out first). Every other node hangs below one child of the trunk's last node; the
-        nodes below one child (a segment) are consecutive, because rows sharing a prefix are
-        consecutive in trie order, and no node attends across segments.
+        lays it out first). Every other node was added by exactly one row, as the end of that
+        row's path; rows add their nodes in trie order, so those segments are consecutive.
         """
         n = self.n_nodes
         trunk = n
@@ -103,32 +102,20 @@ class PackedTree:
             k = int(path.numel())
             off = (path != torch.arange(k)).nonzero()
             trunk = min(trunk, int(off[0]) if off.numel() else k)
-        roots: dict[int, list[torch.Tensor]] = {}
-        for path in self.paths:
-            if int(path.numel()) > trunk:
-                roots.setdefault(int(path[trunk]), []).append(path[trunk:])
-        spans = []
-        for root in sorted(roots):
-            nodes = torch.cat(roots[root])
-            lo, hi = root, int(nodes.max()) + 1
-            spans.append((lo, hi, roots[root]))
-        bounds = [trunk] + [b for lo, hi, _ in spans for b in (lo, hi)] + [n]
-        if bounds[::2] != bounds[1::2]:  # each segment starts where the last one ended
-            raise AssertionError("tree segments do not tile the nodes below the trunk in order")
-        own = []
-        tril: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for lo, hi, parts in spans:
-            allowed = torch.zeros((hi - lo, hi - lo), dtype=torch.bool)
-            for part in parts:
-                m = int(part.numel())
-                if m not in tril:
-                    qi, ki = torch.tril_indices(m, m)
-                    tril[m] = (qi, ki)
-                qi, ki = tril[m]
-                local = part - lo
-                allowed[local[qi], local[ki]] = True
-            own.append(allowed[None, None])
-        return TreeSegments(trunk, tuple(hi - lo for lo, hi, _ in spans), own)
+        added = []
+        for path, owned in zip(self.paths, self.owned_from, strict=True):
+            first = max(owned, trunk)
+            if int(path.numel()) > first:
+                added.append((int(path[first]), int(path.numel()) - first, path))
+        added.sort(key=lambda a: a[0])
+        at = trunk
+        for start, size, _ in added:
+            if start != at:  # each segment starts where the last one ended
+                raise AssertionError("tree segments do not tile the nodes below the trunk")
+            at += size
+        if at != n:
+            raise AssertionError("tree segments do not cover the nodes below the trunk")
+        return TreeSegments(trunk, tuple(a[1] for a in added), [a[2] for a in added])
 
 
 def pack_rows(rows: Sequence[Sequence[int]]) -> PackedTree:

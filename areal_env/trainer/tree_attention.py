@@ -4,10 +4,10 @@ Two kernels, one mask (``PackedTree.ancestor_mask`` is the reference both are te
 
 - **sdpa, trunk/segments** (any device; the CPU path): the *trunk* (the prefix every row shares:
   the system prompt with the tool schemas) attends causally to itself, and each *segment* (the
-  nodes below one child of the trunk: one task's rows) attends to the whole trunk plus, under
-  the tree mask, to itself. Measured on the demo's batch shape (16 tasks x 2 samples behind a
-  440-token prompt), attention took 13.9 s of a 60 s update instead of 29.5 s of 70 s (torch
-  profiler, 2-core CPU).
+  nodes one row added to the trie) attends causally to its row's path. Measured on the demo's
+  batch shape (16 tasks x 2 samples behind a 440-token prompt), attention took 13.9 s of a 60 s
+  update instead of 29.5 s of 70 s with the dense mask (torch profiler, 2-core CPU), when a
+  segment still held a whole task's rows; one row per segment is 1.36x faster again.
 - **FlexAttention with a block mask from the trie** (CUDA): the trie is laid out in preorder
   (see ``tree``), so the nodes below node ``k`` are the interval ``[k, end[k])`` and
   ``k`` is an ancestor of ``q`` iff ``k <= q < end[k]``. The block mask is counted from those
@@ -47,30 +47,38 @@ class TreeSegments:
     """The trunk/segment layout of a packed trie (``PackedTree.attention_segments``).
 
     Nodes ``0..trunk-1`` are the trunk, shared by every row; the nodes after it form
-    consecutive segments of ``sizes`` nodes, each attending to the whole trunk and, under its
-    ``own`` mask, to itself (never to another segment)."""
+    consecutive segments of ``sizes`` nodes, one per row that adds nodes below the trunk: the
+    nodes the row added to the trie (a chain, the end of its path). A segment attends to its
+    row's whole path (``keys``: node indices, the segment's own nodes last), causally."""
 
     trunk: int
     sizes: tuple[int, ...]
-    own: list[torch.Tensor]  # per segment: [1, 1, W, W] bool, True = the key is an ancestor
+    keys: list[torch.Tensor]  # per segment: [K] long, the row's path; its last ``size`` are its own
     _bias: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device | str) -> TreeSegments:
-        return TreeSegments(self.trunk, self.sizes, [m.to(device) for m in self.own])
+        return TreeSegments(self.trunk, self.sizes, [k.to(device) for k in self.keys])
+
+    def allowed(self, segment: int) -> torch.Tensor:
+        """Bool [W, K] of one segment: its ``j``-th node sees the path up to itself."""
+        size, n_keys = self.sizes[segment], int(self.keys[segment].numel())
+        device = self.keys[segment].device
+        last = n_keys - size + torch.arange(size, device=device)
+        return torch.arange(n_keys, device=device)[None, :] <= last[:, None]
 
     def bias(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Per segment, the additive mask [1, 1, W, trunk + W] over the trunk's keys (all seen)
-        and its own; built once per forward (every layer and the checkpointed recompute share
-        this object) instead of once per layer call."""
+        """Per segment, the additive mask [1, 1, W, K] over its path's keys; built once per
+        forward (every layer and the checkpointed recompute share this object) instead of once
+        per layer call."""
         b = self._bias.get(dtype)
         if b is None:
             low = torch.finfo(dtype).min
             b = []
-            for own in self.own:
+            for i, keys in enumerate(self.keys):
                 mask = torch.zeros(
-                    (*own.shape[:-1], self.trunk + own.shape[-1]), dtype=dtype, device=own.device
+                    (1, 1, self.sizes[i], int(keys.numel())), dtype=dtype, device=keys.device
                 )
-                mask[..., self.trunk :].masked_fill_(~own, low)
+                mask.masked_fill_(~self.allowed(i)[None, None], low)
                 b.append(mask)
             self._bias[dtype] = b
         return b
@@ -86,27 +94,28 @@ def segment_tree_attention(
     """Attention of packed nodes (``query`` [1, H, N, d], ``key``/``value`` [1, Hkv, N, d]) under
     the tree mask; returns [1, N, H, d] like transformers' sdpa wrapper.
 
-    The trunk attends causally to itself; each segment is one sdpa call over the trunk's keys
-    and its own, under its mask. That computes ``trunk^2 / 2 + sum_s W_s x (trunk + W_s)``
-    scores instead of the dense mask's ``N^2`` (in an agent batch, where a segment is one task's
-    rows, about a third). The segments are cut from the packed tensors with ``split``, whose
-    backward is one concatenation: padding them to one width and gathering them, as this
-    function did until 2026-11-29, computed 1.6x the scores on the demo actor's minibatches
-    (segments of 121-302 nodes padded to 302) and scattered the gradients back into zero-filled
-    copies of the queries, keys and values: forward and backward took 1.43-1.48x as long
-    (``bench/train_step.py --case attention``).
+    The trunk attends causally to itself; each segment (the nodes one row added) is one sdpa
+    call over the keys and values of its row's path, gathered with ``index_select`` (whose
+    backward adds the gradients back into place), under a causal mask. Every node is a query
+    once and scores at most its path: ``trunk^2 / 2 + sum_rows W_r x K_r``. Until 2026-11-29 a
+    segment was every node below one child of the trunk (several tasks' rows) under a tree
+    mask, and computed ``W x (trunk + W)`` scores: on the demo's recorded minibatches that was
+    1.4x the scores, and forward and backward took 1.36x as long (fp32; 1.73x for the bf16
+    reference's forward; ``bench/train_step.py --case attention``).
     """
     t = seg.trunk
     gqa = key.shape[1] != query.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    sizes = [t, *seg.sizes]
-    qs, ks, vs = query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2)
+    qs = query.split([t, *seg.sizes], dim=2)
     parts = []
     if t:
-        parts.append(sdpa(qs[0], ks[0], vs[0], is_causal=True, scale=scaling, enable_gqa=gqa))
-    for q, k, v, bias in zip(qs[1:], ks[1:], vs[1:], seg.bias(query.dtype), strict=True):
-        if t:
-            k, v = torch.cat([ks[0], k], dim=2), torch.cat([vs[0], v], dim=2)
+        parts.append(
+            sdpa(
+                qs[0], key[:, :, :t], value[:, :, :t], is_causal=True, scale=scaling, enable_gqa=gqa
+            )
+        )
+    for q, keys, bias in zip(qs[1:], seg.keys, seg.bias(query.dtype), strict=True):
+        k, v = key.index_select(2, keys), value.index_select(2, keys)
         parts.append(sdpa(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=gqa))
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2)

@@ -48,10 +48,10 @@ def _segment_keys(seg, node: int) -> list[int]:
     if node < seg.trunk:
         return list(range(node + 1))
     lo = seg.trunk
-    for size, own in zip(seg.sizes, seg.own, strict=True):
+    for i, size in enumerate(seg.sizes):
         if node < lo + size:
-            allowed = own[0, 0, node - lo]
-            return list(range(seg.trunk)) + [lo + j for j in range(size) if allowed[j]]
+            allowed = seg.allowed(i)[node - lo]
+            return sorted(seg.keys[i][allowed].tolist())
         lo += size
     raise AssertionError(f"node {node} is in no segment")
 

@@ -52,10 +52,10 @@ def test_the_per_task_baseline_equals_the_segment_kernel(seed):
 def test_a_recorded_step_rebuilds_the_batch_it_trained_on(tmp_path):
     """``--tokens RUN_DIR``: the rows of a recorded step come back with their tokens, loss
     masks, the engine's logprobs at the scored positions, rewards and groups."""
-    from tests.fixtures.view_runs import make_run
     from train_step import recorded_batch
 
     from areal_env.view.tokens import TokenRecords
+    from tests.fixtures.view_runs import make_run
 
     run = make_run(tmp_path / "run", steps=2, groups=2, group_size=2)
     batch = recorded_batch(str(run.path), 2)

@@ -19,6 +19,13 @@ it in every row (off), alternating, ``--prefix-repeats`` times each; ``shared_pr
 rollout wall time off / on (median). Greedy outputs are compared between the two sides: they
 must agree (``shared_prefix_same_outputs``).
 
+The joining case (``--case joining``) runs agent episodes whose turns come back at different
+times (three turns, 10-26 new tokens a turn, 20-60 ms "tool calls" between them), so next turns
+join a batch that holds the system prompt once. Their prefill reads that prefix from the batch
+(``read``) or copies it into every joining row as it did until 2026-11-29 (``copied``),
+alternating; ``joining_read_vs_copied`` = wall time copied / read (median), greedy outputs
+compared (``joining_same_outputs``).
+
 The last line of output is one JSON object, e.g.
 ``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, "prefix_cache_speedup": 2.6, ...}``.
 """
@@ -260,6 +267,74 @@ def shared_prefix_case(engine: LocalEngine, args) -> dict[str, float | bool]:
     }
 
 
+async def staggered_rollout(
+    engine: LocalEngine, prompts, tool_ids, turns: int = 3, greedy: bool = False
+) -> list[list[int]]:
+    """Agent episodes whose turns come back at different times, as the demo's do: episode
+    ``i`` writes 10 + 4 * (i % 5) tokens a turn and waits 20-60 ms on its "tool" between
+    turns, so next turns join a batch that is still decoding."""
+    g: dict = dict(ignore_eos=True)
+    g.update(greedy=True) if greedy else g.update(temperature=1.0, top_k=0, top_p=1.0)
+
+    async def episode(i: int, prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        for t in range(turns):
+            cfg = GenerationConfig(seed=1000 * t + i, max_new_tokens=10 + 4 * (i % 5), **g)
+            r = await engine.agenerate(ModelRequest(prompt, cfg))
+            out += r.output_tokens
+            prompt = prompt + r.output_tokens + tool_ids
+            await asyncio.sleep(0.02 * (1 + i % 3))
+        return out
+
+    return list(await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts))))
+
+
+def joining_case(engine: LocalEngine, args) -> dict[str, float | bool]:
+    """Next turns joining a batch that holds the system prompt once: their prefill reads the
+    prefix from the batch (``read``) or copies it into every joining row, as it did until
+    2026-11-29 (``copied``: the worker is told no prefix is joinable), alternating
+    ``--prefix-repeats`` times each on the staggered traffic of :func:`staggered_rollout` (8
+    problems x 4 samples, three turns); greedy outputs compared."""
+    tok = engine.tokenizer
+    prompts = agent_prompts(tok, args.system_tokens, 8, 4)
+    tool_ids = tool_result_ids(tok)
+    engine.set_prefix_cache_mb(args.prefix_cache_mb)
+    worker = engine.worker
+    joinable = worker._joinable_shared_prefix
+
+    def use(side: str) -> None:
+        worker._joinable_shared_prefix = (  # type: ignore[method-assign]
+            joinable if side == "read" else (lambda admit, cached: None)
+        )
+
+    greedy: dict[str, list[list[int]]] = {}
+    walls: dict[str, list[float]] = {"copied": [], "read": []}
+    read_tokens: dict[str, float] = {"copied": 0.0, "read": 0.0}
+    try:
+        for side in ("copied", "read"):  # also warms both paths up
+            use(side)
+            greedy[side] = asyncio.run(staggered_rollout(engine, prompts, tool_ids, greedy=True))
+        for rep in range(args.prefix_repeats):
+            for side in ("copied", "read") if rep % 2 == 0 else ("read", "copied"):
+                use(side)
+                before = engine.stats()["shared_prefix_prefill_row_tokens"]
+                t0 = time.perf_counter()
+                asyncio.run(staggered_rollout(engine, prompts, tool_ids))
+                walls[side].append(time.perf_counter() - t0)
+                read_tokens[side] += engine.stats()["shared_prefix_prefill_row_tokens"] - before
+                print(f"rep {rep} {side:6s}: {walls[side][-1]:6.2f}s", flush=True)
+    finally:
+        use("read")
+    copied, read = statistics.median(walls["copied"]), statistics.median(walls["read"])
+    return {
+        "joining_read_vs_copied": round(copied / read, 3),
+        "joining_copied_s": round(copied, 2),
+        "joining_read_s": round(read, 2),
+        "joining_prefix_tokens_read_once": read_tokens["read"],
+        "joining_same_outputs": greedy["read"] == greedy["copied"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
@@ -272,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         help="time only this many one-by-one requests per size and scale up (default: all)",
     )
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 new tokens, 4 baseline")
-    ap.add_argument("--case", choices=["batching", "prefix", "shared", "all"], default="all")
+    ap.add_argument(
+        "--case", choices=["batching", "prefix", "shared", "joining", "all"], default="all"
+    )
     ap.add_argument(
         "--system-tokens",
         type=int,
@@ -312,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             result.update(prefix_case(engine, args))
         if args.case in ("shared", "all"):
             result.update(shared_prefix_case(engine, args))
+        if args.case in ("joining", "all"):
+            result.update(joining_case(engine, args))
         done_baseline: list[float] = []
         for n in (8, 32) if args.case in ("batching", "all") else ():
             load = os.getloadavg()[0]

@@ -34,7 +34,11 @@ from areal_env.engine.kv_cache import SPARE_COLUMNS, BatchKV
 from areal_env.engine.prefix_cache import PrefixCache
 from areal_env.engine.request_state import RequestState, allowed_tokens, length_groups
 from areal_env.engine.sampler import sample_rows_top
-from areal_env.engine.shared_prefix import MIN_SHARED_TOKENS, enable_shared_prefix_attention
+from areal_env.engine.shared_prefix import (
+    MIN_SHARED_TOKENS,
+    SharedPrefix,
+    enable_shared_prefix_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class BatchWorker:
             "prefix_cache_hit_tokens": 0,
             "shared_prefix_steps": 0,
             "shared_prefix_row_tokens": 0,
+            "shared_prefix_prefill_row_tokens": 0,
         }
         self._cache_keyword = "past_key_values"
         self._cv = threading.Condition()
@@ -491,7 +496,9 @@ class BatchWorker:
             if not kept:
                 return
             admit, matches = [r for r, _ in kept], [m for _, m in kept]
-        P = max(n for n, _ in matches)
+        shared = self._joinable_shared_prefix(admit, [n for n, _ in matches])
+        skip = shared.length if shared is not None else 0  # columns read from the batch's prefix
+        P = max(n for n, _ in matches) - skip
         rests = [len(r.req.input_ids) - n for r, (n, _) in zip(admit, matches, strict=True)]
         S = max(rests)
         L, two, H, _, D = matches[0][1][0].shape
@@ -501,11 +508,16 @@ class BatchWorker:
         ids = torch.zeros((n_rows, S), dtype=torch.long)
         pos = torch.zeros((n_rows, S), dtype=torch.long)
         for i, (r, (n, parts)) in enumerate(zip(admit, matches, strict=True)):
-            col = P - n
+            col, left = P - (n - skip), skip
             for part in parts:  # the cached edges, copied straight into the batch buffer
-                buf[:, :, i, :, col : col + part.shape[3]] = part
-                col += part.shape[3]
-            mask[i, P - n : P] = True
+                width = part.shape[3]
+                if left >= width:  # held once by the batch's shared prefix: not copied
+                    left -= width
+                    continue
+                buf[:, :, i, :, col : col + width - left] = part[:, :, :, left:]
+                col += width - left
+                left = 0
+            mask[i, P - (n - skip) : P] = True
             mask[i, P + S - rests[i] : P + S] = True
             ids[i, S - rests[i] :] = torch.tensor(r.req.input_ids[n:], dtype=torch.long)
             pos[i, S - rests[i] :] = torch.arange(n, n + rests[i])
@@ -520,12 +532,36 @@ class BatchWorker:
             position_ids=pos.to(self.device),
             use_cache=True,
             logits_to_keep=1,
+            **({"shared_prefix": shared} if shared is not None else {}),
         )
         kv_state.advance(S)
         self.counters["prefill_tokens"] += sum(rests)
+        if shared is not None:
+            self.counters["shared_prefix_prefill_row_tokens"] += skip * n_rows
         self._admit_prefilled(
-            admit, out.logits[:, -1, :], buf[..., : P + S, :], mask[:, : P + S], version
+            admit,
+            out.logits[:, -1, :],
+            buf[..., : P + S, :],
+            mask[:, : P + S],
+            version,
+            skipped=skip,
         )
+
+    def _joinable_shared_prefix(
+        self, admit: list[RequestState], cached: list[int]
+    ) -> SharedPrefix | None:
+        """The running batch's shared prefix, when every row of ``admit`` starts with it, has
+        all of it cached (``cached``: each row's cached length) and more after it, and was
+        looked up under the same weights: their prefill then reads it once, as a decode step
+        does, instead of copying it into every row (13-19 % of a prefill, measured)."""
+        shared = self._kv.shared if self._kv is not None else None
+        if shared is None or self.prefix_cache.epoch != shared.epoch:
+            return None
+        n = shared.length
+        for r, have in zip(admit, cached, strict=True):
+            if have < n or len(r.req.input_ids) <= n or r.prompt_key[:n] != shared.key:
+                return None
+        return shared
 
     def _admit_prefilled(
         self,
@@ -534,9 +570,13 @@ class BatchWorker:
         new_kv: torch.Tensor,
         mask: torch.Tensor,
         version: int,
+        *,
+        skipped: int = 0,
     ) -> None:
         """Sample each prefilled row's first token, cache the prompts' KV and merge the rows that
-        go on into the running batch (``new_kv`` ``[L,2,n,H,T,D]``, ``mask`` ``[n,T]``)."""
+        go on into the running batch (``new_kv`` ``[L,2,n,H,T,D]``, ``mask`` ``[n,T]``).
+        ``skipped``: the rows' columns start after the first ``skipped`` tokens of the prompt,
+        the running batch's shared prefix (see :meth:`_joinable_shared_prefix`)."""
         lengths = [len(r.req.input_ids) for r in admit]
         if self.prefix_cache.enabled:
             for i, r in enumerate(admit):
@@ -545,8 +585,12 @@ class BatchWorker:
                     self.prefix_cache.match_length(ids) if lengths[i] >= _MIN_PREFIX else len(ids)
                 )
                 if have < len(ids):  # copy only the columns of the tokens not cached yet
-                    cols = mask[i].nonzero().squeeze(1)[have:]
-                    self.prefix_cache.insert(ids, new_kv[:, :, i].index_select(3, cols), start=have)
+                    cols = mask[i].nonzero().squeeze(1)[max(have - skipped, 0) :]
+                    kv = new_kv[:, :, i].index_select(3, cols)
+                    if have < skipped:  # evicted meanwhile: that part is the shared prefix's
+                        assert self._kv is not None and self._kv.shared is not None
+                        kv = torch.cat([self._kv.shared.kv[:, :, :, have:skipped], kv], dim=3)
+                    self.prefix_cache.insert(ids, kv, start=have)
         tokens, logps, tops = self._sample(admit, logits, self._start_masks(admit))
         now = time.perf_counter()
         for r in admit:
@@ -566,7 +610,9 @@ class BatchWorker:
         new_pos = torch.tensor([lengths[i] for i in keep], dtype=torch.long, device=self.device)
         joining = [admit[i] for i in keep]
         if self._kv is not None and self._kv.shared is not None:
-            new_kv, mask = self._join_shared_prefix(self._kv, joining, new_kv, mask)
+            new_kv, mask = self._join_shared_prefix(self._kv, joining, new_kv, mask, skipped)
+        elif skipped:
+            raise AssertionError("rows prefilled against a shared prefix the batch no longer holds")
         self._kv = BatchKV.merge(self._kv, new_kv, mask, max_rows=self.max_batch_size)
         if self._running:
             assert self._next_tokens is not None and self._positions is not None
@@ -580,13 +626,20 @@ class BatchWorker:
         logger.debug("admitted %d requests; batch size %d", len(keep), len(self._running))
 
     def _join_shared_prefix(
-        self, kv: BatchKV, joining: list[RequestState], new_kv: torch.Tensor, mask: torch.Tensor
+        self,
+        kv: BatchKV,
+        joining: list[RequestState],
+        new_kv: torch.Tensor,
+        mask: torch.Tensor,
+        skipped: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fit rows about to join into a batch that holds a prefix once: the batch keeps
         sharing as much of it as every joining row starts with (the rest goes back into its
         rows, or all of it when that is under ``MIN_SHARED_TOKENS``), and the joining rows
         drop the part that stays shared. Rows prefilled under other weights than the prefix
-        (a weight update came in between) share none of it."""
+        (a weight update came in between) share none of it. Rows that hold no columns for
+        their first ``skipped`` tokens (prefilled against the shared prefix) keep sharing all
+        of them."""
         shared = kv.shared
         assert shared is not None
         keep = shared.length
@@ -597,8 +650,11 @@ class BatchWorker:
             keep = common_prefix_len(shared.key[:upto], r.prompt_key[:upto])
         if keep < MIN_SHARED_TOKENS:
             keep = 0
+        if keep < skipped:
+            raise AssertionError(f"rows prefilled against {skipped} shared tokens keep {keep}")
         kv.unshare_to(keep)
-        return BatchKV.strip_prefix(new_kv, mask, keep) if keep else (new_kv, mask)
+        strip = keep - skipped
+        return BatchKV.strip_prefix(new_kv, mask, strip) if strip else (new_kv, mask)
 
     def _share_common_prefix(self, kv: BatchKV) -> None:
         """Hold the prefix that all running rows start with once, if it is long enough (each

@@ -147,6 +147,13 @@ def transformers_attention(
         )
     layer = shared.kv[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    t, s = query.shape[2], key.shape[2]
+    if attention_mask is None and t > 1:
+        # transformers drops a causal mask without padding and relies on sdpa's is_causal;
+        # here the rows' own columns end with the queries' (a prefill after the prefix)
+        own = torch.arange(s, device=query.device)
+        last = s - t + torch.arange(t, device=query.device)
+        attention_mask = (own[None, :] <= last[:, None])[None, None]
     out = shared_prefix_attention(query, key, value, attention_mask, layer[0], layer[1], scale)
     return out, None
 

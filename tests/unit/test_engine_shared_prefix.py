@@ -207,6 +207,25 @@ def test_engine_outputs_equal_those_with_a_copy_per_row(engines, tokenizer):
     assert shared.stats()["prefill_tokens"] - before < sum(map(len, turn2)) // 4
 
 
+def test_next_turns_joining_a_sharing_batch_read_its_prefix_once(engines, tokenizer):
+    """An agent's next turn (its last prompt and output cached, a tool result after them)
+    joins a batch that holds the system prompt once: its prefill reads that prefix from the
+    batch instead of copying it into its row, and decodes as with a copy per row."""
+    shared, copied = engines
+    tool = tokenizer("\n<tool_response>\n7\n</tool_response>")["input_ids"]
+    first = [_prompt(tokenizer, SYSTEM, t) for t in ("What is 3 + 4?", "Add 8 and 9.")]
+    outs = asyncio.run(_waves(copied, [first]))
+    asyncio.run(_waves(shared, [first]))  # both engines cache the first turn
+    turn2 = [p + r.output_tokens + tool for p, r in zip(first, outs, strict=True)]
+    running = [_prompt(tokenizer, SYSTEM, t) for t in ("Take 5 from 12.", "Compute 6 times 7.")]
+    before = shared.stats()["shared_prefix_prefill_row_tokens"]
+    got = asyncio.run(_waves(shared, [running, turn2]))
+    read_once = shared.stats()["shared_prefix_prefill_row_tokens"] - before
+    _same(got, asyncio.run(_waves(copied, [running, turn2])))
+    assert read_once >= len(turn2) * len(tokenizer(SYSTEM)["input_ids"])
+    assert copied.stats()["shared_prefix_prefill_row_tokens"] == 0
+
+
 def test_rows_prefilled_after_a_weight_update_do_not_attend_to_the_old_prefix(engines, tokenizer):
     """The shared prefix's keys belong to the weights it was computed under: rows that join
     after an update must see their own (the rows running across the update keep theirs)."""

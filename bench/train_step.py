@@ -57,6 +57,10 @@ one's median update time, update peak RSS, page faults and kernel CPU time, and 
 (``actor.minibatch_by_group``, the default) and of rows dealt at random, alternating: each one's
 median update time and computed (trie) tokens, and ``groups_vs_rows``.
 
+``--case kernels`` runs the demo actor's whole update with the tree attention's segment per row
+(the library's) and per trunk child (the layout of until 2026-11-29, kept here), alternating on
+one actor: ``rows_vs_tasks`` (median update times) and the KL reference's forward within each.
+
 ``--tokens RUN_DIR [--step N]`` replaces the synthetic agent rows of every agent-shaped case but
 ``agent`` with the batch a real run trained on at step N (its first recorded step by default),
 rebuilt from the run's token records: the demo's real rows are longer (650-940 tokens), their
@@ -478,10 +482,16 @@ class TaskSegments:
     sizes: tuple[int, ...]
     bias: list[torch.Tensor]  # per segment: [1, 1, W, trunk + W] additive
 
+    def to(self, device) -> TaskSegments:
+        return TaskSegments(self.trunk, self.sizes, [b.to(device) for b in self.bias])
+
 
 def task_segment_layout(tree) -> TaskSegments:
     """``TaskSegments`` of a packed trie, built as ``PackedTree.attention_segments`` did."""
-    trunk = tree.attention_segments().trunk
+    trunk = tree.n_nodes
+    for path in tree.paths:  # the prefix every row shares
+        off = (path != torch.arange(int(path.numel()))).nonzero()
+        trunk = min(trunk, int(off[0]) if off.numel() else int(path.numel()))
     roots: dict[int, list[torch.Tensor]] = {}
     for path in tree.paths:
         if int(path.numel()) > trunk:
@@ -510,6 +520,7 @@ def task_segment_attention(query, key, value, seg: TaskSegments, scale):
     parts = [sdpa(qs[0], ks[0], vs[0], is_causal=True, scale=scale, enable_gqa=True)] if t else []
     for q, k, v, bias in zip(qs[1:], ks[1:], vs[1:], seg.bias, strict=True):
         k, v = torch.cat([ks[0], k], dim=2), torch.cat([vs[0], v], dim=2)
+        bias = bias.to(q.dtype)
         parts.append(sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True))
     return torch.cat(parts, dim=2).transpose(1, 2)
 
@@ -635,6 +646,46 @@ def demo_actor(model_path: str, micro_batch_tokens: int, dtype: str = "float32")
         micro_batch_tokens=micro_batch_tokens,
     )
     return PPOActor(model_path, actor_cfg, ModelConfig(gradient_checkpointing=True, dtype=dtype))
+
+
+def run_kernels_case(args, model_path: str) -> dict:
+    """The demo actor's whole update with the tree attention's segment per row (the library's)
+    and per trunk child (the layout of until 2026-11-29, ``task_segment_layout``), alternating
+    on one actor: each one's median update time, the KL reference's forward within it, and
+    ``rows_vs_tasks``."""
+    from areal_env.trainer import tree, tree_attention
+
+    actor = demo_actor(model_path, args.micro_batch_tokens)
+    batch = demo_batch(args, actor.model.config.vocab_size)
+    per_row = (tree.PackedTree.attention_segments, tree_attention.segment_tree_attention)
+    per_task = (task_segment_layout, task_segment_attention)
+
+    def use(kernel) -> None:
+        tree.PackedTree.attention_segments = kernel[0]  # type: ignore[method-assign]
+        tree_attention.segment_tree_attention = kernel[1]
+
+    times: dict[str, list[float]] = {"rows": [], "tasks": []}
+    reference: dict[str, list[float]] = {"rows": [], "tasks": []}
+    try:
+        actor.update(_slice(batch, 4), step=0)  # warm-up: allocations, optimiser state
+        for it in range(1, args.iters + 1):
+            for name in ("rows", "tasks") if it % 2 else ("tasks", "rows"):
+                use(per_row if name == "rows" else per_task)
+                t0 = time.perf_counter()
+                stats = actor.update(batch, step=it)
+                times[name].append(time.perf_counter() - t0)
+                reference[name].append(stats["time/recompute_s"])
+                print(f"iter {it} {name}: {times[name][-1]:.1f} s", file=sys.stderr)
+    finally:
+        use(per_row)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "rows_vs_tasks": round(med["tasks"] / med["rows"], 3),
+        "rows_update_s": round(med["rows"], 2),
+        "tasks_update_s": round(med["tasks"], 2),
+        "rows_reference_s": round(statistics.median(reference["rows"]), 2),
+        "tasks_reference_s": round(statistics.median(reference["tasks"]), 2),
+    }
 
 
 def run_allocator_child(args, model_path: str) -> dict:
@@ -907,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
             "allocator",
             "allocator-child",
             "minibatches",
+            "kernels",
             "all",
         ],
         default="all",
@@ -947,6 +999,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_allocator_case(args, model_path))
     if args.case == "minibatches":
         result.update(run_minibatch_case(args, model_path))
+    if args.case == "kernels":
+        result.update(run_kernels_case(args, model_path))
     if args.case == "allocator-child":
         print(json.dumps(run_allocator_child(args, model_path)))
         return 0

@@ -112,6 +112,23 @@ def make_batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed
     }
 
 
+def empty_batch(
+    width: int, rewards: torch.Tensor, group_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A batch of ``len(rewards)`` rows of ``width`` columns, all padding, to be filled in."""
+    b = int(rewards.shape[0])
+    return {
+        "input_ids": torch.zeros(b, width, dtype=torch.long),
+        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
+        "logprobs": torch.zeros(b, width),
+        "versions": torch.full((b, width), -1, dtype=torch.int32),
+        "rewards": rewards,
+        "group_ids": group_ids,
+        "traj_ids": torch.arange(b),
+    }
+
+
 def make_agent_batch(
     vocab: int,
     problems: int = 4,
@@ -151,18 +168,12 @@ def make_agent_batch(
                     lm += [0] * len(tool)
             rows.append((toks, lm))
             prompt_lens.append(len(prompt))
-    width = max(len(t) for t, _ in rows)
-    b = len(rows)
-    batch = {
-        "input_ids": torch.zeros(b, width, dtype=torch.long),
-        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
-        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
-        "logprobs": torch.zeros(b, width),
-        "versions": torch.full((b, width), -1, dtype=torch.int32),
-        "rewards": torch.tensor([float((i * 7919) % 3 == 0) for i in range(b)]),
-        "group_ids": torch.arange(b) // samples,
-        "traj_ids": torch.arange(b),
-    }
+    b, width = len(rows), max(len(t) for t, _ in rows)
+    batch = empty_batch(
+        width,
+        torch.tensor([float((i * 7919) % 3 == 0) for i in range(b)]),
+        torch.arange(b) // samples,
+    )
     for i, (t, lm) in enumerate(rows):
         n = len(t)
         batch["input_ids"][i, :n] = torch.tensor(t)
@@ -195,18 +206,9 @@ def recorded_batch(run_dir: str, step: int | None = None) -> dict[str, torch.Ten
                 rows.append(row)
                 rewards.append(float(meta["reward"]))
                 groups.append(int(entry["group"]))
-    width = max(len(r.input_ids) for r in rows)
-    b = len(rows)
-    batch = {
-        "input_ids": torch.zeros(b, width, dtype=torch.long),
-        "attention_mask": torch.zeros(b, width, dtype=torch.bool),
-        "loss_mask": torch.zeros(b, width, dtype=torch.int32),
-        "logprobs": torch.zeros(b, width),
-        "versions": torch.full((b, width), -1, dtype=torch.int32),
-        "rewards": torch.tensor(rewards),
-        "group_ids": torch.tensor(groups),
-        "traj_ids": torch.arange(b),
-    }
+    batch = empty_batch(
+        max(len(r.input_ids) for r in rows), torch.tensor(rewards), torch.tensor(groups)
+    )
     for i, row in enumerate(rows):
         n = len(row.input_ids)
         scored = torch.from_numpy(row.loss_mask.astype("bool"))

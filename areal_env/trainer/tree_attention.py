@@ -7,7 +7,7 @@ Two kernels, one mask (``PackedTree.ancestor_mask`` is the reference both are te
   nodes one row added to the trie) attends causally to its row's path. Measured on the demo's
   batch shape (16 tasks x 2 samples behind a 440-token prompt), attention took 13.9 s of a 60 s
   update instead of 29.5 s of 70 s with the dense mask (torch profiler, 2-core CPU), when a
-  segment still held a whole task's rows; one row per segment is 1.36x faster again.
+  segment still held a whole task's rows; one row per segment is 1.7x faster again.
 - **FlexAttention with a block mask from the trie** (CUDA): the trie is laid out in preorder
   (see ``tree``), so the nodes below node ``k`` are the interval ``[k, end[k])`` and
   ``k`` is an ancestor of ``q`` iff ``k <= q < end[k]``. The block mask is counted from those
@@ -100,8 +100,8 @@ def segment_tree_attention(
     once and scores at most its path: ``trunk^2 / 2 + sum_rows W_r x K_r``. Until 2026-11-29 a
     segment was every node below one child of the trunk (several tasks' rows) under a tree
     mask, and computed ``W x (trunk + W)`` scores: on the demo's recorded minibatches that was
-    1.4x the scores, and forward and backward took 1.36x as long (fp32; 1.73x for the bf16
-    reference's forward; ``bench/train_step.py --case attention``).
+    twice the scores, and forward and backward took 1.69-1.74x as long (fp32; 1.38-2.22x for
+    the bf16 reference's forward; ``bench/train_step.py --case attention --tokens RUN_DIR``).
     """
     t = seg.trunk
     gqa = key.shape[1] != query.shape[1]

@@ -61,6 +61,10 @@ median update time and computed (trie) tokens, and ``groups_vs_rows``.
 (the library's) and per trunk child (the layout of until 2026-11-29, kept here), alternating on
 one actor: ``rows_vs_tasks`` (median update times) and the KL reference's forward within each.
 
+``--case frozen`` runs the demo actor's update with every decoder layer trained and with the
+lowest N frozen (``actor.frozen_layers``; ``--frozen-layers 15,20``), alternating:
+``frozen_N_vs_all`` (median update times) and the parameters each trains.
+
 ``--tokens RUN_DIR [--step N]`` replaces the synthetic agent rows of every agent-shaped case but
 ``agent`` with the batch a real run trained on at step N (its first recorded step by default),
 rebuilt from the run's token records: the demo's real rows are longer (650-940 tokens), their
@@ -636,9 +640,11 @@ def run_attention_case(args, model_path: str) -> dict:
 ALLOCATOR_THRESHOLDS = (256 * 1024, memory.MMAP_THRESHOLD_BYTES, 8 * 1024 * 1024)
 
 
-def demo_actor(model_path: str, micro_batch_tokens: int, dtype: str = "float32") -> PPOActor:
+def demo_actor(
+    model_path: str, micro_batch_tokens: int, dtype: str = "float32", frozen_layers: int = 0
+) -> PPOActor:
     """The actor of ``examples/aenv/config_chains.yaml`` (two minibatches, a bf16 KL reference,
-    all layers checkpointed), computing in ``dtype``."""
+    all layers checkpointed), computing in ``dtype``, training above ``frozen_layers``."""
     actor_cfg = ActorConfig(
         ppo_n_minibatches=2,
         lr=5e-5,
@@ -646,6 +652,7 @@ def demo_actor(model_path: str, micro_batch_tokens: int, dtype: str = "float32")
         kl_estimator="k2",
         ref_dtype="bfloat16",
         micro_batch_tokens=micro_batch_tokens,
+        frozen_layers=frozen_layers,
     )
     return PPOActor(model_path, actor_cfg, ModelConfig(gradient_checkpointing=True, dtype=dtype))
 
@@ -688,6 +695,33 @@ def run_kernels_case(args, model_path: str) -> dict:
         "rows_reference_s": round(statistics.median(reference["rows"]), 2),
         "tasks_reference_s": round(statistics.median(reference["tasks"]), 2),
     }
+
+
+def run_frozen_case(args, model_path: str) -> dict:
+    """The demo actor's update with every layer trained and with the lowest N frozen
+    (``actor.frozen_layers``, each N of ``--frozen-layers``), alternating: each one's median
+    update time, the parameters it trains, and ``frozen_N_vs_all``."""
+    counts = [0, *(int(n) for n in args.frozen_layers.split(","))]
+    actors = {n: demo_actor(model_path, args.micro_batch_tokens, frozen_layers=n) for n in counts}
+    batch = demo_batch(args, actors[0].model.config.vocab_size)
+    for actor in actors.values():  # warm-up: allocations, optimiser state
+        actor.update(_slice(batch, 4), step=0)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for it in range(1, args.iters + 1):
+        order = counts if it % 2 else counts[::-1]
+        for n in order:
+            t0 = time.perf_counter()
+            actors[n].update(batch, step=it)
+            times[n].append(time.perf_counter() - t0)
+            print(f"iter {it} frozen {n}: {times[n][-1]:.1f} s", file=sys.stderr)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    result: dict = {"all_update_s": round(med[0], 2)}
+    for n in counts[1:]:
+        trained = sum(p.numel() for p in actors[n].model.parameters() if p.requires_grad)
+        result[f"frozen_{n}_vs_all"] = round(med[0] / med[n], 3)
+        result[f"frozen_{n}_update_s"] = round(med[n], 2)
+        result[f"frozen_{n}_trained_params_m"] = round(trained / 1e6, 1)
+    return result
 
 
 def run_allocator_child(args, model_path: str) -> dict:
@@ -961,6 +995,7 @@ def main(argv: list[str] | None = None) -> int:
             "allocator-child",
             "minibatches",
             "kernels",
+            "frozen",
             "all",
         ],
         default="all",
@@ -977,6 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
         "replaces the synthetic rows",
     )
     ap.add_argument("--step", type=int, default=None, help="--tokens: the recorded step")
+    ap.add_argument(
+        "--frozen-layers", default="15,20", help="frozen case: the frozen layer counts to compare"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -1003,6 +1041,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(run_minibatch_case(args, model_path))
     if args.case == "kernels":
         result.update(run_kernels_case(args, model_path))
+    if args.case == "frozen":
+        result.update(run_frozen_case(args, model_path))
     if args.case == "allocator-child":
         print(json.dumps(run_allocator_child(args, model_path)))
         return 0

@@ -435,6 +435,15 @@ class ActorConfig:
     lora: LoraConfig | None = None
     """LoRA adapters, e.g. {r: 16, alpha: 32}; None = full fine-tuning."""
 
+    frozen_layers: int = 0
+    """Train only the decoder layers above the lowest ``frozen_layers`` (0 = all layers train).
+    The frozen layers and the input embeddings' lookup get no gradient, so the update runs
+    their forward once, with no recompute and no backward, and keeps no optimiser state for
+    them: freezing the lower two thirds cuts a full fine-tune's update to about half its
+    time (``bench/train_step.py --case frozen``). With tied embeddings the shared matrix
+    still trains as the output head. With ``lora``, adapters in the frozen layers stay at
+    their initial (zero) update."""
+
     lr: float = 1e-5
     """AdamW learning rate."""
     lr_warmup_steps: int = 0
@@ -560,6 +569,13 @@ class ActorConfig:
             )
         if self.eps_clip <= 0:
             raise ConfigError(f"actor.eps_clip={self.eps_clip!r} must be > 0")
+        if isinstance(self.frozen_layers, bool) or not (
+            isinstance(self.frozen_layers, int) and self.frozen_layers >= 0
+        ):
+            raise ConfigError(
+                f"actor.frozen_layers={self.frozen_layers!r} must be an integer >= 0: how many of "
+                "the lowest decoder layers are not trained (0 = train them all)"
+            )
         if self.ppo_n_minibatches < 1:
             raise ConfigError(f"actor.ppo_n_minibatches={self.ppo_n_minibatches!r} must be >= 1")
         if self.ppo_epochs < 1:

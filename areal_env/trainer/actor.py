@@ -29,6 +29,7 @@ from areal_env.trainer import memory
 from areal_env.trainer.actor_lora import (
     apply_lora,
     enable_checkpointing,
+    freeze_lowest_layers,
     merged_lora_state_dict,
     set_gradient_sync,
 )
@@ -232,6 +233,7 @@ class PPOActor:
         if trainable:
             if self.model_cfg.gradient_checkpointing:
                 enable_checkpointing(model, self.model_cfg.checkpointed_layer_share)
+            freeze_lowest_layers(model, self.cfg.frozen_layers)
             model.train()
         else:
             model.eval().requires_grad_(False)

@@ -41,6 +41,52 @@ def enable_checkpointing(model: Any, share: float = 1.0) -> int:
     return kept
 
 
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers, lowest first (through a peft wrapper too): the
+    ``ModuleList`` as long as ``config.num_hidden_layers``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    n = getattr(base.config, "num_hidden_layers", None)
+    for module in base.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise ConfigError(
+        f"actor.frozen_layers: no list of {n} decoder layers found in {type(base).__name__}; "
+        "set actor.frozen_layers=0 for this model"
+    )
+
+
+def _detached(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output.detach()
+
+
+def freeze_lowest_layers(model: Any, n: int) -> None:
+    """Stop gradients below decoder layer ``n``: the lowest ``n`` layers' parameters (LoRA
+    adapters included) stop requiring grad and are no longer checkpointed, and the input
+    embeddings' output is detached. Why the detach: with tied embeddings the lookup shares the
+    output head's trainable matrix, and a lookup that required grad would carry the backward
+    (and the checkpoints' recompute) through every frozen layer. Only the head trains that
+    matrix then; an untied input embedding is frozen outright (no optimiser state)."""
+    if n <= 0:
+        return
+    layers = decoder_layers(model)
+    if n >= len(layers):
+        raise ConfigError(
+            f"actor.frozen_layers={n} leaves no layer to train: the model has {len(layers)} "
+            f"decoder layers; set it to at most {len(layers) - 1}"
+        )
+    for layer in layers[:n]:
+        layer.requires_grad_(False)
+        if getattr(layer, "gradient_checkpointing", None) is True:
+            layer.gradient_checkpointing = False  # nothing to recompute without a backward
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = base.get_input_embeddings()
+    head = base.get_output_embeddings()
+    if head is None or head.weight is not embeddings.weight:
+        embeddings.requires_grad_(False)
+    embeddings.register_forward_hook(_detached)
+    logger.info("training decoder layers %d-%d of %d", n, len(layers) - 1, len(layers))
+
+
 def set_gradient_sync(model: Any, sync: bool) -> None:
     """Under FSDP reduce gradients only after the last micro-batch of a minibatch."""
     fn = getattr(model, "set_requires_gradient_sync", None)

@@ -77,7 +77,8 @@ def freeze_lowest_layers(model: Any, n: int) -> None:
     for layer in layers[:n]:
         layer.requires_grad_(False)
         if getattr(layer, "gradient_checkpointing", None) is True:
-            layer.gradient_checkpointing = False  # nothing to recompute without a backward
+            # nothing to recompute without a backward pass
+            layer.gradient_checkpointing = False  # type: ignore[assignment]
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embeddings = base.get_input_embeddings()
     head = base.get_output_embeddings()

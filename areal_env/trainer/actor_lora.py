@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from areal_env.api.config import ConfigError, LoraConfig
-from areal_env.trainer.dist import DistContext, full_state_dict
+from areal_env.trainer.dist import DistContext, decoder_layers, full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +41,6 @@ def enable_checkpointing(model: Any, share: float = 1.0) -> int:
     return kept
 
 
-def decoder_layers(model: Any) -> torch.nn.ModuleList:
-    """The model's stack of decoder layers, lowest first (through a peft wrapper too): the
-    ``ModuleList`` as long as ``config.num_hidden_layers``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    n = getattr(base.config, "num_hidden_layers", None)
-    for module in base.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return module
-    raise ConfigError(
-        f"actor.frozen_layers: no list of {n} decoder layers found in {type(base).__name__}; "
-        "set actor.frozen_layers=0 for this model"
-    )
-
-
 def _detached(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
     return output.detach()
 
@@ -68,7 +54,10 @@ def freeze_lowest_layers(model: Any, n: int) -> None:
     matrix then; an untied input embedding is frozen outright (no optimiser state)."""
     if n <= 0:
         return
-    layers = decoder_layers(model)
+    try:
+        layers = decoder_layers(model)
+    except ValueError as e:
+        raise ConfigError(f"actor.frozen_layers={n}: {e}; set it to 0 for this model") from e
     if n >= len(layers):
         raise ConfigError(
             f"actor.frozen_layers={n} leaves no layer to train: the model has {len(layers)} "

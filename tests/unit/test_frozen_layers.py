@@ -14,12 +14,14 @@ import torch
 
 from areal_env.api.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
 from areal_env.trainer.actor import PPOActor
-from areal_env.trainer.actor_lora import decoder_layers
+from areal_env.trainer.dist import decoder_layers
+from tests.unit.test_trainer_precision import one_rank_group  # noqa: F401 (a fixture)
 from tests.unit.test_trainer_tree import _agent_batch
 
 
 def _actor(path: str, frozen: int, **actor_kw) -> PPOActor:
-    cfg = ActorConfig(lr=1e-4, ppo_n_minibatches=1, frozen_layers=frozen, **actor_kw)
+    actor_kw.setdefault("ppo_n_minibatches", 1)
+    cfg = ActorConfig(lr=1e-4, frozen_layers=frozen, **actor_kw)
     return PPOActor(path, cfg, ModelConfig(device="cpu", gradient_checkpointing=True), seed=3)
 
 
@@ -29,15 +31,24 @@ def _layer_of(name: str) -> int | None:
     return int(name.split(".layers.")[1].split(".")[0])
 
 
-def test_frozen_layers_keep_their_weights_and_the_rest_trains(tiny_model_path, tokenizer):
-    actor = _actor(tiny_model_path, 2)
-    before = {k: v.detach().clone() for k, v in actor.model.named_parameters()}
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach()
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_frozen_layers_keep_their_weights_and_the_rest_trains(
+    tiny_model_path, tokenizer, strategy, request
+):
+    if strategy == "fsdp":
+        request.getfixturevalue("one_rank_group")
+    actor = _actor(tiny_model_path, 2, strategy=strategy)
+    before = {k: _local(v).clone() for k, v in actor.model.named_parameters()}
     trainable = [p for p in actor.model.parameters() if p.requires_grad]
     assert sum(len(g["params"]) for g in actor.optimizer.param_groups) == len(trainable)
     stats = actor.update(_agent_batch(tokenizer), step=1)
     assert stats["actor/optimizer_steps"] == 1.0
     after = dict(actor.model.named_parameters())
-    moved = {k for k, v in before.items() if not torch.equal(v, after[k].detach())}
+    moved = {k for k, v in before.items() if not torch.equal(v, _local(after[k]))}
     assert {_layer_of(k) for k in moved if _layer_of(k) is not None} == {2, 3}
     # tied embeddings: the shared matrix trains as the output head
     assert "model.embed_tokens.weight" in moved

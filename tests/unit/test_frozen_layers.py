@@ -112,3 +112,26 @@ def test_frozen_layers_must_be_a_count(bad):
 def test_freezing_every_layer_says_how_many_there_are(tiny_model_path):
     with pytest.raises(ConfigError, match="at most 3"):
         _actor(tiny_model_path, 4)
+
+
+def test_a_checkpoint_of_a_frozen_run_resumes(tiny_model_path, tokenizer, tmp_path):
+    """The optimiser holds state for the trained parameters only; a checkpoint restores it
+    into a fresh actor of the same config, and the two then take the same next step."""
+    from areal_env.trainer import checkpoint as ckpt
+
+    batch = _agent_batch(tokenizer)
+    actor = _actor(tiny_model_path, 2)
+    actor.update(batch, step=1)
+    ckpt.save_checkpoint(
+        tmp_path, 1, model=actor.model, optimizer=actor.optimizer, trainer_state={"version": 1}
+    )
+    fresh = _actor(tiny_model_path, 2)
+    ckpt.restore_checkpoint(tmp_path / "step_1", model=fresh.model, optimizer=fresh.optimizer)
+    trained = dict(actor.model.named_parameters())
+    for name, p in fresh.model.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=0, atol=0, msg=name)
+    assert len(fresh.optimizer.state) == len(actor.optimizer.state) > 0
+    actor.update(batch, step=2)
+    fresh.update(batch, step=2)
+    for name, p in fresh.model.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -143,6 +143,14 @@ class PPOActor:
             self.model: Any = share.model
         else:
             self.adapters = dict(adapters or ({adapter: actor.lora} if actor.lora else {}))
+            if actor.frozen_layers and len(self.adapters) > 1:
+                # peft's set_adapter turns requires_grad back on for the active adapter in
+                # every layer, so a shared model cannot keep its lower layers frozen
+                raise ConfigError(
+                    f"actor.frozen_layers={actor.frozen_layers} needs a model of its own, but "
+                    f"{len(self.adapters)} adapter policies share this one; set "
+                    "actor.frozen_layers=0"
+                )
             self.model = self._load(model_path, trainable=True)
         self.tree_unsupported = tree_supported(self.model)
         if self.tree_kernel == "flex" and actor.tree_training != "off":

@@ -135,3 +135,18 @@ def test_a_checkpoint_of_a_frozen_run_resumes(tiny_model_path, tokenizer, tmp_pa
     fresh.update(batch, step=2)
     for name, p in fresh.model.named_parameters():
         torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_model_shared_by_adapter_policies_is_refused(tiny_model_path):
+    """peft's set_adapter re-enables every layer's active adapter, so the freeze could not
+    hold in a model that several policies share."""
+    lora = LoraConfig(r=4, alpha=8)
+    cfg = ActorConfig(frozen_layers=1, lora=lora)
+    with pytest.raises(ConfigError, match="2 adapter policies share"):
+        PPOActor(
+            tiny_model_path,
+            cfg,
+            ModelConfig(device="cpu"),
+            adapter="a",
+            adapters={"a": lora, "b": lora},
+        )

@@ -26,6 +26,11 @@ join a batch that holds the system prompt once. Their prefill reads that prefix 
 alternating; ``joining_read_vs_copied`` = wall time copied / read (median), greedy outputs
 compared (``joining_same_outputs``).
 
+The linear case (``--case linear``) runs the shared-prefix case's traffic with the linear
+layers' fp32 products through oneDNN (``engine.cpu_linear: onednn``, the default) and through
+PyTorch's default kernel, switched on the same model, alternating; ``onednn_vs_default`` = wall
+time default / oneDNN (median), greedy outputs compared (``linear_same_outputs``).
+
 The last line of output is one JSON object, e.g.
 ``{"speedup_8": 3.4, "speedup_32": 7.9, "tok_s_32": 95.0, "prefix_cache_speedup": 2.6, ...}``.
 """
@@ -267,6 +272,62 @@ def shared_prefix_case(engine: LocalEngine, args) -> dict[str, float | bool]:
     }
 
 
+def linear_case(engine: LocalEngine, args) -> dict[str, float | bool]:
+    """The demo's traffic (8 problems x 4 samples, two turns, prefix cache and shared prefix on)
+    with the linear layers' fp32 products through oneDNN (``onednn``) or PyTorch's default
+    kernel (``default``), switched on the same model, alternating."""
+    from areal_env.engine.cpu_linear import set_onednn_linears
+
+    tok = engine.tokenizer
+    prompts = agent_prompts(tok, args.system_tokens, 8, 4)
+    tool_ids = tool_result_ids(tok)
+    engine.set_prefix_cache_mb(args.prefix_cache_mb)
+    model = engine.worker.model
+    print(
+        f"linear case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
+        f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
+        flush=True,
+    )
+
+    def use(side: str) -> None:
+        with engine.worker.at_step_boundary():
+            set_onednn_linears(model, side == "onednn")
+
+    greedy: dict[str, list[list[int]]] = {}
+    for side in ("default", "onednn"):  # also warms both kernels up
+        use(side)
+        greedy[side] = asyncio.run(
+            agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids, greedy=True)
+        )
+    walls: dict[str, list[float]] = {"default": [], "onednn": []}
+    tokens = 0
+    for rep in range(args.prefix_repeats):
+        for side in ("default", "onednn") if rep % 2 == 0 else ("onednn", "default"):
+            use(side)
+            engine.set_prefix_cache_mb(0)  # emptied: every rep prefills the same prompts
+            engine.set_prefix_cache_mb(args.prefix_cache_mb)
+            before = engine.stats()
+            t0 = time.perf_counter()
+            outs = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
+            wall = time.perf_counter() - t0
+            tokens = sum(map(len, outs))
+            steps = engine.stats()["decode_steps"] - before["decode_steps"]
+            walls[side].append(wall)
+            print(
+                f"rep {rep} {side:7s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), "
+                f"{int(steps)} decode steps",
+                flush=True,
+            )
+    use("onednn")
+    default, onednn = statistics.median(walls["default"]), statistics.median(walls["onednn"])
+    return {
+        "onednn_vs_default": round(default / onednn, 2),
+        "linear_tok_s_default": round(tokens / default, 1),
+        "linear_tok_s_onednn": round(tokens / onednn, 1),
+        "linear_same_outputs": greedy["onednn"] == greedy["default"],
+    }
+
+
 async def staggered_rollout(
     engine: LocalEngine, prompts, tool_ids, turns: int = 3, greedy: bool = False
 ) -> list[list[int]]:
@@ -348,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 new tokens, 4 baseline")
     ap.add_argument(
-        "--case", choices=["batching", "prefix", "shared", "joining", "all"], default="all"
+        "--case",
+        choices=["batching", "prefix", "shared", "joining", "linear", "all"],
+        default="all",
     )
     ap.add_argument(
         "--system-tokens",
@@ -391,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             result.update(shared_prefix_case(engine, args))
         if args.case in ("joining", "all"):
             result.update(joining_case(engine, args))
+        if args.case in ("linear", "all"):
+            result.update(linear_case(engine, args))
         done_baseline: list[float] = []
         for n in (8, 32) if args.case in ("batching", "all") else ():
             load = os.getloadavg()[0]

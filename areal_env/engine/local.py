@@ -24,6 +24,7 @@ from areal_env.api.engine import PromptTooLongError
 from areal_env.api.io import ModelRequest, ModelResponse, StreamChunk
 from areal_env.engine.adapters import AdapterEngine, AdapterWeights
 from areal_env.engine.batch_worker import BatchWorker
+from areal_env.engine.cpu_linear import set_onednn_linears
 from areal_env.engine.grammar import GrammarCompiler, RowGrammar
 from areal_env.engine.json_end import JsonEnd
 from areal_env.engine.models import load_causal_lm
@@ -70,12 +71,16 @@ class LocalEngine:
         num_threads: int | None = None,
         prefix_cache_mb: float = 256,
         share_prefixes: bool = True,
+        onednn_linear: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {prefix_cache_mb!r}")
         self.prefix_cache_mb = prefix_cache_mb
+        self.onednn_linear = onednn_linear
+        """Run the fp32 CPU products of the linear layers through oneDNN
+        (``engine.cpu_linear``): faster decode steps and prefills, the same fp32 arithmetic."""
         self.model_path = str(model_path)
         self._device_opt = device
         self._dtype_opt = dtype
@@ -129,6 +134,7 @@ class LocalEngine:
             num_threads=model.num_threads,
             prefix_cache_mb=engine.prefix_cache_mb,
             share_prefixes=engine.share_prefixes,
+            onednn_linear=engine.cpu_linear == "onednn",
         )
 
     def initialize(self) -> None:
@@ -156,6 +162,8 @@ class LocalEngine:
         model = load_causal_lm(self.model_path, dtype=dtype)
         model.to(device).eval()
         model.requires_grad_(False)
+        if self.onednn_linear and device.type == "cpu" and dtype == torch.float32:
+            set_onednn_linears(model, True)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048

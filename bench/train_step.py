@@ -730,7 +730,7 @@ def run_allocator_child(args, model_path: str) -> dict:
     faults and kernel CPU time over the timed updates."""
     import resource
 
-    actor = demo_actor(model_path, args.micro_batch_tokens)
+    actor = demo_actor(model_path, args.micro_batch_tokens, frozen_layers=args.actor_frozen_layers)
     batch = demo_batch(args, actor.model.config.vocab_size)
     actor.update(_slice(batch, min(4, args.samples)), step=0)  # warm-up: optimiser state
     memory.release_free_memory()
@@ -777,6 +777,7 @@ def run_allocator_case(args, model_path: str) -> dict:
                 f"--samples={args.samples}",
                 f"--system-len={args.system_len}",
                 f"--micro-batch-tokens={args.micro_batch_tokens}",
+                f"--actor-frozen-layers={args.actor_frozen_layers}",
                 *([f"--tokens={args.tokens}"] if args.tokens else []),
                 *([f"--step={args.step}"] if args.step is not None else []),
             ]
@@ -1014,6 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="--tokens: the recorded step")
     ap.add_argument(
         "--frozen-layers", default="15,20", help="frozen case: the frozen layer counts to compare"
+    )
+    ap.add_argument(
+        "--actor-frozen-layers",
+        type=int,
+        default=15,
+        help="allocator case: the actor's frozen layers (15: make demo's recipe)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

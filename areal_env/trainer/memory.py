@@ -86,7 +86,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def tune_allocator() -> bool:
+def tune_allocator(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Keep freed tensor memory from piling up in glibc's heap (call once, early; idempotent).
 
     Why: glibc raises its mmap threshold each time an mmap'ed block is freed (up to 32 MB), so
@@ -96,6 +96,8 @@ def tune_allocator() -> bool:
     to 13.8 GB over five demo steps on the 135M model. A fixed threshold (which also turns off
     the dynamic raise) and two arenas keep the resident size at what is live.
     ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_ARENA_MAX`` in the environment take precedence.
+    ``mmap_threshold_bytes`` (``trainer.malloc_mmap_threshold_mb``) trades memory for speed: the
+    first call in a process sets it.
     """
     global _tuned
     if _tuned is not None:
@@ -106,7 +108,7 @@ def tune_allocator() -> bool:
         return False
     ok = True
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and ok
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and ok
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)) and ok
     if "MALLOC_ARENA_MAX" not in os.environ:

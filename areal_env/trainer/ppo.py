@@ -99,7 +99,8 @@ class PPOTrainer:
         on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
         validate_config(config)
-        memory.tune_allocator()  # before the models load: see memory.tune_allocator
+        # before the models load: see memory.tune_allocator
+        memory.tune_allocator(int(config.trainer.malloc_mmap_threshold_mb * 2**20))
         self.config = config
         self.external = source is not None
         self.data: DataLoader | None = None

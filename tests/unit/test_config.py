@@ -213,3 +213,11 @@ def test_the_train_command_fails_on_a_wrong_path_before_loading_a_model(tmp_path
     assert main([str(tmp_path / "config.yaml")]) == 2
     err = capsys.readouterr().err
     assert "workflow_kwargs.mcp_config.cwd" in err and str(tmp_path / "no-such-folder") in err
+
+
+def test_mmap_threshold_stays_within_glibcs_range():
+    cfg = load_config(ExperimentConfig, overrides=["trainer.malloc_mmap_threshold_mb=32"])
+    assert cfg.trainer.malloc_mmap_threshold_mb == 32
+    for bad in ("0", "64"):
+        with pytest.raises(ConfigError, match=r"trainer\.malloc_mmap_threshold_mb.*32 MB"):
+            load_config(ExperimentConfig, overrides=[f"trainer.malloc_mmap_threshold_mb={bad}"])

@@ -67,3 +67,39 @@ def test_freed_activations_leave_the_resident_set():
 
 def test_tune_allocator_is_idempotent():
     assert memory.tune_allocator() == memory.tune_allocator()
+
+
+FAULTS = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from areal_env.trainer import memory
+    assert memory.tune_allocator(int(sys.argv[1]))
+    torch.ones(4 * 2**20)  # 16 MB, allocated and freed once first
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.ones(4 * 2**20)  # written, then freed
+    print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_mmap_threshold_is_the_one_asked_for():
+    """``trainer.malloc_mmap_threshold_mb``: under a 32 MB threshold a freed 16 MB tensor's
+    memory is reused from the heap; under 2 MB every one is mapped and faulted in afresh
+    (4,096 pages of 4 KB each)."""
+
+    def faults(threshold: int) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS, str(threshold)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return int(out.stdout.strip().splitlines()[-1])
+
+    mapped, reused = faults(2 * 2**20), faults(32 * 2**20)
+    assert mapped > 20 * 2000, mapped
+    assert reused < mapped / 2, (reused, mapped)

@@ -48,10 +48,11 @@ the same kernels' bf16 forward on the whole batch, as the KL reference runs it
 (``reference_segments_vs_tasks``, ``reference_segments_vs_dense``).
 
 ``--case allocator --problems 8 --samples 4`` runs the demo actor's update (as ``--case dtype``,
-in fp32) in child processes under glibc mmap thresholds of 256 KB (the setting until
-2026-11-29), ``memory.MMAP_THRESHOLD_BYTES`` and 8 MB, alternating ``--rounds`` times: each
-one's median update time, update peak RSS, page faults and kernel CPU time, and ``2m_vs_256k`` /
-``8m_vs_256k`` (update speed-ups).
+in fp32, with ``--actor-frozen-layers``: 15, make demo's recipe; 0 trains every layer) in child
+processes under glibc mmap thresholds of 256 KB (the setting until 2026-11-29),
+``memory.MMAP_THRESHOLD_BYTES`` (the default of ``trainer.malloc_mmap_threshold_mb``), 8 MB and
+32 MB (make demo's), alternating ``--rounds`` times: each one's median update time, update peak
+RSS, page faults and kernel CPU time, and ``<MB>_vs_256k`` (update speed-ups).
 
 ``--case minibatches`` runs the demo actor's update with minibatches of whole groups
 (``actor.minibatch_by_group``, the default) and of rows dealt at random, alternating: each one's
@@ -636,8 +637,8 @@ def run_attention_case(args, model_path: str) -> dict:
 
 
 #: glibc mmap thresholds ``--case allocator`` compares: 256 KB (the setting until 2026-11-29),
-#: the current one (``memory.MMAP_THRESHOLD_BYTES``) and 8 MB.
-ALLOCATOR_THRESHOLDS = (256 * 1024, memory.MMAP_THRESHOLD_BYTES, 8 * 1024 * 1024)
+#: the default one (``memory.MMAP_THRESHOLD_BYTES``), 8 MB and 32 MB (make demo's recipe).
+ALLOCATOR_THRESHOLDS = (256 * 1024, memory.MMAP_THRESHOLD_BYTES, 8 * 2**20, 32 * 2**20)
 
 
 def demo_actor(

@@ -661,7 +661,7 @@ class TrainerConfig:
     """Linux (glibc): memory blocks at least this large are mapped on their own and given back to
     the OS when freed; smaller ones come from the heap, whose freed memory is reused without
     page faults. Larger is faster and holds more memory: the demo actor's update (15 frozen
-    layers) took 31.8-32.8 s at 2 MB and 27.7-31.8 s at 32 MB, for 0.25 GB more at its peak
+    layers) took 31.8-32.8 s at 2 MB and 27.7 s at 32 MB, for 0.25 GB more at its peak
     (``bench/train_step.py --case allocator``; docs/training.md, "Memory"). At most 32 (glibc's
     limit); ``MALLOC_MMAP_THRESHOLD_`` in the environment takes precedence."""
 

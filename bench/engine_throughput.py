@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -225,105 +226,94 @@ def prefix_case(engine: LocalEngine, args) -> dict[str, float]:
     }
 
 
-def shared_prefix_case(engine: LocalEngine, args) -> dict[str, float | bool]:
-    """The demo's traffic (8 problems x 4 samples, two turns) with the system prompt held once
-    for the batch (on) or copied into every row (off); the prefix cache is on for both."""
+def alternate_sides(
+    engine: LocalEngine,
+    args,
+    sides: tuple[str, str],
+    use: Callable[[str], None],
+    describe: Callable[[dict, dict], str],
+) -> tuple[dict[str, list[list[int]]], dict[str, float], int]:
+    """The demo's traffic (8 problems x 4 samples, two turns, prefix cache on) under two engine
+    settings: ``use(side)`` switches to one. A greedy rollout per side first (it also warms both
+    up), then ``--prefix-repeats`` timed sampled rollouts per side, alternating, each printed with
+    ``describe(stats_before, stats_after)``. Returns the greedy outputs per side, the median wall
+    time per side and the output tokens of a rollout."""
     tok = engine.tokenizer
     prompts = agent_prompts(tok, args.system_tokens, 8, 4)
     tool_ids = tool_result_ids(tok)
     engine.set_prefix_cache_mb(args.prefix_cache_mb)
     print(
-        f"shared-prefix case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
+        f"{' vs '.join(sides)}: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
         f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
         flush=True,
     )
     greedy: dict[str, list[list[int]]] = {}
-    for side in ("off", "on"):  # also warms both paths up
-        engine.worker.share_prefixes = side == "on"
+    for side in sides:
+        use(side)
         greedy[side] = asyncio.run(
             agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids, greedy=True)
         )
-    walls: dict[str, list[float]] = {"off": [], "on": []}
+    walls: dict[str, list[float]] = {side: [] for side in sides}
     tokens = 0
     for rep in range(args.prefix_repeats):
-        for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-            engine.worker.share_prefixes = side == "on"
+        for side in sides if rep % 2 == 0 else sides[::-1]:
+            use(side)
             before = engine.stats()
             t0 = time.perf_counter()
             outs = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
             wall = time.perf_counter() - t0
             tokens = sum(map(len, outs))
-            after = engine.stats()
             walls[side].append(wall)
-            shared = after["shared_prefix_steps"] - before["shared_prefix_steps"]
-            steps = after["decode_steps"] - before["decode_steps"]
             print(
-                f"rep {rep} shared {side:3s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), "
-                f"{int(shared)} of {int(steps)} decode steps read the prefix once",
+                f"rep {rep} {side:7s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), "
+                f"{describe(before, engine.stats())}",
                 flush=True,
             )
+    return greedy, {side: statistics.median(w) for side, w in walls.items()}, tokens
+
+
+def shared_prefix_case(engine: LocalEngine, args) -> dict[str, float | bool]:
+    """The system prompt held once for the batch (on) or copied into every row (off)."""
+
+    def use(side: str) -> None:
+        engine.worker.share_prefixes = side == "on"
+
+    def describe(before: dict, after: dict) -> str:
+        shared = after["shared_prefix_steps"] - before["shared_prefix_steps"]
+        steps = after["decode_steps"] - before["decode_steps"]
+        return f"{int(shared)} of {int(steps)} decode steps read the prefix once"
+
+    greedy, wall, tokens = alternate_sides(engine, args, ("off", "on"), use, describe)
     engine.worker.share_prefixes = True
-    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
     return {
-        "shared_prefix_speedup": round(off / on, 2),
-        "shared_tok_s_off": round(tokens / off, 1),
-        "shared_tok_s_on": round(tokens / on, 1),
+        "shared_prefix_speedup": round(wall["off"] / wall["on"], 2),
+        "shared_tok_s_off": round(tokens / wall["off"], 1),
+        "shared_tok_s_on": round(tokens / wall["on"], 1),
         "shared_prefix_same_outputs": greedy["on"] == greedy["off"],
     }
 
 
 def linear_case(engine: LocalEngine, args) -> dict[str, float | bool]:
-    """The demo's traffic (8 problems x 4 samples, two turns, prefix cache and shared prefix on)
-    with the linear layers' fp32 products through oneDNN (``onednn``) or PyTorch's default
-    kernel (``default``), switched on the same model, alternating."""
+    """The linear layers' fp32 products through oneDNN (``onednn``) or PyTorch's default kernel
+    (``default``), switched on the same model; the prefix cache is emptied before every timed
+    rollout, so each one prefills the same prompts."""
     from areal_env.engine.cpu_linear import set_onednn_linears
-
-    tok = engine.tokenizer
-    prompts = agent_prompts(tok, args.system_tokens, 8, 4)
-    tool_ids = tool_result_ids(tok)
-    engine.set_prefix_cache_mb(args.prefix_cache_mb)
-    model = engine.worker.model
-    print(
-        f"linear case: {len(prompts)} episodes x 2 turns, prompts of {len(prompts[0])}-"
-        f"{max(map(len, prompts))} tokens, {args.prefix_new_tokens} new tokens per turn",
-        flush=True,
-    )
 
     def use(side: str) -> None:
         with engine.worker.at_step_boundary():
-            set_onednn_linears(model, side == "onednn")
+            set_onednn_linears(engine.worker.model, side == "onednn")
+        engine.set_prefix_cache_mb(0)
+        engine.set_prefix_cache_mb(args.prefix_cache_mb)
 
-    greedy: dict[str, list[list[int]]] = {}
-    for side in ("default", "onednn"):  # also warms both kernels up
-        use(side)
-        greedy[side] = asyncio.run(
-            agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids, greedy=True)
-        )
-    walls: dict[str, list[float]] = {"default": [], "onednn": []}
-    tokens = 0
-    for rep in range(args.prefix_repeats):
-        for side in ("default", "onednn") if rep % 2 == 0 else ("onednn", "default"):
-            use(side)
-            engine.set_prefix_cache_mb(0)  # emptied: every rep prefills the same prompts
-            engine.set_prefix_cache_mb(args.prefix_cache_mb)
-            before = engine.stats()
-            t0 = time.perf_counter()
-            outs = asyncio.run(agent_rollout(engine, prompts, args.prefix_new_tokens, tool_ids))
-            wall = time.perf_counter() - t0
-            tokens = sum(map(len, outs))
-            steps = engine.stats()["decode_steps"] - before["decode_steps"]
-            walls[side].append(wall)
-            print(
-                f"rep {rep} {side:7s}: {wall:6.2f}s ({tokens / wall:6.1f} tok/s), "
-                f"{int(steps)} decode steps",
-                flush=True,
-            )
+    def describe(before: dict, after: dict) -> str:
+        return f"{int(after['decode_steps'] - before['decode_steps'])} decode steps"
+
+    greedy, wall, tokens = alternate_sides(engine, args, ("default", "onednn"), use, describe)
     use("onednn")
-    default, onednn = statistics.median(walls["default"]), statistics.median(walls["onednn"])
     return {
-        "onednn_vs_default": round(default / onednn, 2),
-        "linear_tok_s_default": round(tokens / default, 1),
-        "linear_tok_s_onednn": round(tokens / onednn, 1),
+        "onednn_vs_default": round(wall["default"] / wall["onednn"], 2),
+        "linear_tok_s_default": round(tokens / wall["default"], 1),
+        "linear_tok_s_onednn": round(tokens / wall["onednn"], 1),
         "linear_same_outputs": greedy["onednn"] == greedy["default"],
     }
 

@@ -180,10 +180,6 @@ class EngineConfig:
             )
         if self.max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size={self.max_batch_size!r} must be >= 1")
-        if self.cpu_linear not in ("onednn", "default"):
-            raise ConfigError(
-                f"engine.cpu_linear={self.cpu_linear!r} is invalid; valid: onednn, default"
-            )
         if self.prefix_cache_mb < 0:
             raise ConfigError(
                 f"engine.prefix_cache_mb={self.prefix_cache_mb!r} must be >= 0 (0 = off)"

@@ -279,10 +279,23 @@ class PPOTrainer:
                 pos.step += 1
                 if isinstance(source, DatasetSource):
                     pos.data_state = source.data_state
+                last = pos.step == total
+                if last:
+                    # The run's weights are saved before its final evaluation, and what only
+                    # further updates need is let go, so that the evaluation's KV cache takes
+                    # its memory instead of adding to it (the run's peak otherwise).
+                    await self.books.checkpoint(
+                        pos, total, self.policies, self.tokenizer, self.data
+                    )
+                    for policy in self.policies.values():
+                        policy.actor.release_training_state()
                 if self._evaluation_due(total):
                     metrics.update(await self._evaluate())
                 self.books.log(pos, metrics, t_step, progress)
-                await self.books.checkpoint(pos, total, self.policies, self.tokenizer, self.data)
+                if not last:
+                    await self.books.checkpoint(
+                        pos, total, self.policies, self.tokenizer, self.data
+                    )
         finally:
             progress.close()
             self.ranks.announce({"op": "stop"})

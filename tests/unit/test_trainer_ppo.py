@@ -469,3 +469,78 @@ def test_redraw_budget_must_not_be_negative():
 
     with pytest.raises(ConfigError, match="redraw_batches_without_signal=-1 must be >= 0"):
         TrainerConfig(redraw_batches_without_signal=-1).validate()
+
+
+class CheckpointWatcher:
+    """Alternating rewards; records, for every held-out episode, whether the run's last
+    checkpoint (``checkpoints/step_<last>``) was already written when it ran."""
+
+    def __init__(self, checkpoint: Path):
+        self.checkpoint = checkpoint
+        self.calls = 0
+        self.eval_saw_checkpoint: list[bool] = []
+
+    async def run(self, data, *, base_url, api_key, http_client=None, **_):
+        from openai import AsyncOpenAI
+
+        self.calls += 1
+        if data["id"].startswith("v"):
+            self.eval_saw_checkpoint.append(self.checkpoint.exists())
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=3
+        )
+        return float(self.calls % 2)
+
+
+@pytest.mark.timeout(600)
+def test_last_step_is_saved_and_its_training_state_released_before_the_final_evaluation(
+    tmp_path,
+):
+    """At the last step the checkpoint is written first; then the optimiser's moments and the
+    KL reference are let go, and the final evaluation runs without them (its KV cache takes
+    their memory). The checkpoint still holds the optimiser state (a later run may resume from
+    it), and the released actor refuses to update."""
+    import torch.distributed.checkpoint as dcp
+
+    from areal_env.api.config import ExperimentConfig, load_config
+    from areal_env.trainer.ppo import PPOTrainer
+
+    cfg = load_config(
+        ExperimentConfig,
+        None,
+        [
+            f"fileroot={tmp_path}",
+            "experiment_name=release",
+            "trial_name=t",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "gconfig.max_new_tokens=3",
+            "actor.kl_coef=0.05",
+            "actor.ppo_n_minibatches=1",
+            "trainer.total_train_steps=2",
+            "trainer.eval_before_training=false",
+            "trainer.tensorboard=false",
+            "trainer.recover='off'",
+            "trainer.progress=false",
+            "rollout.dump_to_file=false",
+        ],
+    )
+    valid = [{"id": f"v{i}", "prompt": f"Name the number {i}."} for i in range(3)]
+    agent = CheckpointWatcher(tmp_path / "release" / "t" / "checkpoints" / "step_2")
+    with PPOTrainer(cfg, DATA, valid) as trainer:
+        final = trainer.train(workflow=agent)
+        actor = trainer.policies[None].actor
+        assert agent.eval_saw_checkpoint == [True, True, True]
+        assert actor.training_state_released
+        assert actor.ref_model is None and not actor.optimizer.state
+        with pytest.raises(RuntimeError, match="released"):
+            actor.update({})
+    rows = [json.loads(x) for x in Path(final["metrics_file"]).read_text().splitlines()]
+    assert [r["actor/updated"] for r in rows] == [1.0, 1.0]
+    assert "eval/success_rate" in rows[-1]  # the final evaluation is logged with the last step
+    state = tmp_path / "release" / "t" / "checkpoints" / "step_2" / "state"
+    keys = dcp.FileSystemReader(str(state)).read_metadata().state_dict_metadata
+    assert any(k.startswith("optim.state.") and k.endswith(".exp_avg") for k in keys), (
+        "the checkpoint keeps the optimiser's moments"
+    )
